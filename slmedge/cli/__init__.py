@@ -1,0 +1,33 @@
+"""The slmedge command line: one small module per command."""
+
+from __future__ import annotations
+
+import typer
+
+from .common import state
+from .compress import compress_command
+from .methods import methods_command
+from .run import run_command
+
+app = typer.Typer(
+    name="slmedge",
+    help="Compress small language models, export them to edge runtimes, and measure what was lost and gained.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors.")):
+    state.debug = debug
+
+
+app.command("compress")(compress_command)
+app.command("run")(run_command)
+app.command("methods")(methods_command)
+
+
+def main() -> None:
+    app()

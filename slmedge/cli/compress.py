@@ -1,0 +1,106 @@
+"""slmedge compress: calibrate and compress a model into an artifact directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ..compress.api import compress
+from ..compress.methods import METHODS
+from ..compress.recipe import DEFAULT_SKIP, Recipe
+from .common import console, errors_to_exit, progress_bar
+
+
+def recipe_from_options(method, bits, group_size, symmetric, sparsity, calibration, nsamples, seqlen, seed, batch_size,
+                        skip, include_head, damp, block_size, act_order, true_sequential, awq_grid, awq_clip,
+                        awq_max_tokens) -> Recipe:
+    info = METHODS.get(method)
+    if bits is None and info is not None and info.kind == "quantize":
+        bits = 4
+    skip_patterns = tuple(p for p in DEFAULT_SKIP if not (include_head and p == "lm_head")) + tuple(skip or ())
+    return Recipe(method=method, bits=bits, group_size=group_size, symmetric=symmetric, sparsity=sparsity,
+                  calibration=calibration, nsamples=nsamples, seqlen=seqlen, seed=seed, batch_size=batch_size,
+                  skip=skip_patterns, damp=damp, block_size=block_size, act_order=act_order,
+                  true_sequential=true_sequential, awq_grid=awq_grid, awq_clip=awq_clip, awq_max_tokens=awq_max_tokens)
+
+
+def print_summary(outcome, as_json: bool = False) -> None:
+    s = outcome.summary
+    if as_json:
+        console.print_json(json.dumps({"artifact": str(outcome.artifact), **s}))
+        return
+    table = Table(title=f"slmedge compress: {s['recipe']}", show_header=False)
+    table.add_row("model", json.dumps(outcome.manifest["base_model"].get("name") or outcome.manifest["base_model"].get("id")
+                                      or outcome.manifest["base_model"].get("path")).strip('"'))
+    table.add_row("architecture", outcome.manifest["architecture"])
+    table.add_row("compressed linears", f"{s['compressed_linears']} ({s['compressed_parameters']:,} of {s['parameters']:,} parameters)")
+    if s["bits_per_weight"] is not None:
+        table.add_row("bits per compressed weight", f"{s['bits_per_weight']:.3f} (codes + fp16 scales + zero points)")
+    if s["sparsity"]:
+        table.add_row("sparsity of compressed linears", f"{s['sparsity']:.2%}")
+    calib = outcome.manifest.get("calibration")
+    if calib:
+        table.add_row("calibration", f"{calib['spec']}: {calib['nsamples']} x {calib['seqlen']} tokens, seed {calib['seed']}")
+    t = s["timings"]
+    table.add_row("time", f"{t.get('compress_s', 0):.1f} s compressing, {t.get('load_s', 0):.1f} s loading")
+    if outcome.artifact is not None:
+        table.add_row("artifact", str(outcome.artifact))
+    console.print(table)
+
+
+METHOD_HELP = "Method: " + ", ".join(METHODS) + "."
+
+
+def compress_command(
+    model: Optional[str] = typer.Argument(None, help="HF id, local HF folder, .gguf file, or an embedded name. Default: smollm2-135m."),
+    method: str = typer.Option("awq", "--method", "-m", help=METHOD_HELP),
+    bits: Optional[int] = typer.Option(None, "--bits", "-b", help="Bit width 2..8 (default 4 for quantizers; pruners only quantize when given)."),
+    group_size: int = typer.Option(128, "--group-size", "-g", help="Columns per scale; -1 for per-channel. A last, shorter group is handled."),
+    symmetric: bool = typer.Option(False, "--sym/--asym", help="Symmetric (zero point 2^(b-1)) or asymmetric grid."),
+    sparsity: Optional[str] = typer.Option(None, "--sparsity", "-s", help="Pruning: a ratio in [0, 1) or N:M (N zeros in every M weights), e.g. 0.5 or 2:4."),
+    calibration: str = typer.Option("c4", "--calibration", "-c", help="c4, multilingual[:LANGS], a .txt/.jsonl file, or hf:DATASET[:CONFIG][:SPLIT]."),
+    nsamples: int = typer.Option(128, "--nsamples", help="Calibration samples."),
+    seqlen: int = typer.Option(512, "--seqlen", help="Tokens per calibration sample."),
+    seed: int = typer.Option(0, "--seed", help="Seed for sampling calibration windows; same seed, same artifact."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Calibration samples per block forward (bounds activation memory)."),
+    skip: Optional[list[str]] = typer.Option(None, "--skip", help="Extra module-name patterns to leave alone (lm_head and embeddings are skipped by default)."),
+    include_head: bool = typer.Option(False, "--include-head", help="Also compress lm_head (not with awq)."),
+    damp: float = typer.Option(0.01, "--damp", help="GPTQ/SparseGPT: fraction of mean(diag H) added to the diagonal."),
+    block_size: int = typer.Option(128, "--block-size", help="GPTQ/SparseGPT: columns updated together."),
+    act_order: bool = typer.Option(True, "--act-order/--no-act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal (static groups)."),
+    true_sequential: bool = typer.Option(True, "--true-sequential/--no-true-sequential", help="GPTQ/SparseGPT/Wanda: later linears see earlier ones compressed."),
+    awq_grid: int = typer.Option(20, "--awq-grid", help="AWQ: scale-exponent grid points."),
+    awq_clip: bool = typer.Option(True, "--awq-clip/--no-awq-clip", help="AWQ: search clipping ratios."),
+    awq_max_tokens: int = typer.Option(2048, "--awq-max-tokens", help="AWQ: calibration tokens used by the search losses."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory (default: slmedge-out/<model>-<recipe>)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output directory."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help="Folder with calibration/, perplexity/, tasks/ (default ../shared/data)."),
+    text_field: str = typer.Option("text", "--text-field", help="JSONL / dataset field holding the text."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run code shipped with a Hub model (off unless you ask)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+):
+    """Calibrate and compress a model into an artifact directory.
+
+    \b
+    Examples:
+      slmedge compress                                   # AWQ 4-bit of the embedded SmolLM2-135M
+      slmedge compress MODEL --method gptq --bits 4 --group-size 64 --nsamples 128 --seqlen 512 -o out/gptq
+      slmedge compress MODEL --method wanda --sparsity 0.5
+      slmedge compress MODEL --method sparsegpt --sparsity 2:4 --bits 8
+      slmedge compress model.gguf --method rtn --bits 8 --group-size -1 --sym
+    """
+    with errors_to_exit():
+        recipe = recipe_from_options(method, bits, group_size, symmetric, sparsity, calibration, nsamples, seqlen, seed,
+                                     batch_size, skip, include_head, damp, block_size, act_order, true_sequential,
+                                     awq_grid, awq_clip, awq_max_tokens)
+        with progress_bar() as progress:
+            outcome = compress(model, recipe, output, data_dir=data_dir, device=device, overwrite=overwrite,
+                               trust_remote_code=trust_remote_code, revision=revision, text_field=text_field,
+                               progress=progress)
+        print_summary(outcome, as_json)

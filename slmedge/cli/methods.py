@@ -1,0 +1,19 @@
+"""slmedge methods: list the compression methods."""
+
+from rich.table import Table
+
+from ..compress.methods import METHODS
+from .common import console
+
+
+def methods_command():
+    """List the compression methods and what they do.
+
+    \b
+    Example:
+      slmedge methods
+    """
+    table = Table("method", "kind", "what it does")
+    for info in METHODS.values():
+        table.add_row(info.name, info.kind, info.summary)
+    console.print(table)

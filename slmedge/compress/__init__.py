@@ -1,0 +1,1 @@
+"""Compression: quantization grid, methods, the sequential engine and the artifact."""

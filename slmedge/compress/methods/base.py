@@ -1,0 +1,120 @@
+"""What a compression method is, and the one registry that names them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ...errors import ConfigError
+from ..quant import QuantSpec, quantize_groups
+
+
+@dataclass
+class LinearResult:
+    """The compressed form of one linear layer.
+
+    ``weight`` is the final dense weight (dequantized codes, pruned zeros), exactly what the
+    artifact's HF weights hold. ``codes``/``scales``/``zeros`` are set for quantized layers
+    (codes uint8 (out, in), scales fp16 (out, G), zeros uint8 (out, G)); ``perm`` is the column
+    order GPTQ's act-order used; ``mask`` (bool (out, in), True = kept) for pruned layers.
+    """
+
+    weight: torch.Tensor
+    spec: QuantSpec | None = None
+    codes: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+class HessianStats:
+    """GPTQ/SparseGPT's H = 2/n sum x x^T over calibration tokens, kept as a running mean."""
+
+    def __init__(self, columns: int, device):
+        self.H = torch.zeros(columns, columns, device=device, dtype=torch.float32)
+        self.nsamples = 0
+
+    def add_batch(self, inp: torch.Tensor) -> None:
+        x = inp.reshape(-1, inp.shape[-1]).float()  # (tokens, in)
+        tmp = x.shape[0]
+        self.H *= self.nsamples / (self.nsamples + tmp)
+        self.nsamples += tmp
+        x = (2 / self.nsamples) ** 0.5 * x
+        self.H += x.t() @ x
+
+
+class InputNormStats:
+    """Wanda's squared L2 norm of each input feature over calibration tokens, averaged."""
+
+    def __init__(self, columns: int, device):
+        self.scaler_row = torch.zeros(columns, device=device, dtype=torch.float32)
+        self.nsamples = 0
+
+    def add_batch(self, inp: torch.Tensor) -> None:
+        x = inp.reshape(-1, inp.shape[-1]).float()
+        tmp = x.shape[0]
+        self.scaler_row *= self.nsamples / (self.nsamples + tmp)
+        self.nsamples += tmp
+        self.scaler_row += x.pow(2).sum(dim=0) / self.nsamples
+
+
+class Method:
+    """A per-linear method: optional statistics of the layer's inputs, then compress one weight.
+
+    The engine owns the hooks, the block order and the device; a method only says which
+    statistics it needs (``stats_class``, None for data-free methods) and how to compress.
+    """
+
+    name: str = ""
+    kind: str = "quantize"  # "quantize" | "prune"
+    stats_class: type | None = None
+    summary: str = ""
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+        self.spec = recipe.quant_spec()
+        self.sparsity = recipe.sparsity_spec()
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.stats_class is not None
+
+    def compress(self, name: str, weight: torch.Tensor, stats) -> LinearResult:
+        raise NotImplementedError
+
+
+def rtn_result(weight: torch.Tensor, spec: QuantSpec, mask: torch.Tensor | None = None, clip=None) -> LinearResult:
+    """Round-to-nearest of ``weight``; pruned zeros stay exactly zero (zero is on the grid)."""
+    deq, codes, scales, zeros = quantize_groups(weight, spec, clip=clip)
+    return LinearResult(deq, spec, codes, scales, zeros, mask=mask)
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    name: str
+    cls: type
+    kind: str
+    summary: str
+
+
+METHODS: dict[str, MethodInfo] = {}
+
+
+def register_method(name: str) -> Callable[[type], type]:
+    def wrap(cls: type) -> type:
+        if name in METHODS:
+            raise ValueError(f"method '{name}' registered twice")
+        cls.name = name
+        METHODS[name] = MethodInfo(name, cls, cls.kind, cls.summary)
+        return cls
+
+    return wrap
+
+
+def get_method(name: str) -> MethodInfo:
+    if name not in METHODS:
+        raise ConfigError(f"unknown method '{name}'; choose one of: {', '.join(METHODS)}")
+    return METHODS[name]

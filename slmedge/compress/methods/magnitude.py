@@ -1,0 +1,22 @@
+"""Magnitude pruning: the pruning baseline, no calibration data.
+
+Comparison group as in the Wanda paper's magnitude baseline: the whole layer for unstructured
+sparsity; each M consecutive weights of a row for N:M.
+"""
+
+from .base import LinearResult, Method, register_method, rtn_result
+from .pruning import prune_by_score
+
+
+@register_method("magnitude")
+class Magnitude(Method):
+    kind = "prune"
+    summary = "magnitude pruning (baseline, no calibration)"
+
+    def compress(self, name, weight, stats):
+        mask = prune_by_score(weight.abs(), self.sparsity, group="layer")
+        pruned = weight * mask
+        if self.spec is not None:
+            return rtn_result(pruned, self.spec, mask=mask)
+        return LinearResult(pruned, mask=mask)
+

@@ -1,0 +1,26 @@
+"""Wanda (Sun et al., 2023): prune by |W| * ||X||, per output row, no weight update.
+
+Score S_ij = |W_ij| * ||X_j||_2 where ||X_j|| is the norm of input feature j over the
+calibration tokens. Comparison group: each output row (unstructured) or each M consecutive
+weights (N:M), as in the paper.
+"""
+
+import torch
+
+from .base import InputNormStats, LinearResult, Method, register_method, rtn_result
+from .pruning import prune_by_score
+
+
+@register_method("wanda")
+class Wanda(Method):
+    kind = "prune"
+    stats_class = InputNormStats
+    summary = "Wanda pruning: |weight| x input-activation norm, per output row"
+
+    def compress(self, name, weight, stats):
+        score = weight.abs() * torch.sqrt(stats.scaler_row.reshape(1, -1))
+        mask = prune_by_score(score, self.sparsity, group="row")
+        pruned = weight * mask
+        if self.spec is not None:
+            return rtn_result(pruned, self.spec, mask=mask)
+        return LinearResult(pruned, mask=mask)

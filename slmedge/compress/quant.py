@@ -1,0 +1,178 @@
+"""The quantization grid: bits, group size, symmetry; weights <-> integer codes.
+
+Conventions (shared with the exporters, see DESIGN.md "numeric contracts"):
+
+- Groups run along the input dimension (columns of a ``(out, in)`` weight), contiguous in the
+  original column order. ``group_size = -1`` means one group per row (per-channel). When the
+  group size does not divide the width, the last group is shorter ("ragged"): it has its own
+  scale and zero point like any other group, so every format that stores 32-wide blocks (GGUF)
+  or padded blocks (ONNX MatMulNBits) can hold it exactly.
+- ``w = scale * (q - zero)`` with integer codes ``q`` in ``[0, 2**bits - 1]``.
+- Symmetric: ``zero = 2**(bits-1)`` and ``scale = m / -2**(bits-1)`` where ``m`` is the group's
+  value of largest magnitude (sign kept), so that value is exact (llama.cpp's Q4_0/Q8_0 choice;
+  the scale may be negative). 4-bit symmetric codes are Q4_0's ``x = d*(q-8)`` as they are.
+- Asymmetric: the range ``[min(w, 0), max(w, 0)]`` over ``2**bits - 1`` steps and an integer zero
+  point (zero stays exactly representable, which pruned weights rely on); Q4_1's ``x = d*q + m``
+  with ``d = scale``, ``m = -scale*zero``.
+- Scales are rounded to float16 when chosen, so the dequantized weights are exactly what fp16
+  scale formats (GGUF, ONNX fp16) reproduce.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int = 4
+    group_size: int = 128  # -1: one group per row
+    symmetric: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
+            raise ConfigError(f"bits must be an integer from 2 to 8, got {self.bits}")
+        if self.group_size != -1 and (not isinstance(self.group_size, int) or self.group_size < 1):
+            raise ConfigError(f"group size must be a positive integer or -1 (per channel), got {self.group_size}")
+
+    @property
+    def maxq(self) -> int:
+        return 2**self.bits - 1
+
+    def group_width(self, columns: int) -> int:
+        return columns if self.group_size == -1 else min(self.group_size, columns)
+
+    def num_groups(self, columns: int) -> int:
+        return math.ceil(columns / self.group_width(columns))
+
+    def describe(self) -> str:
+        g = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
+        return f"W{self.bits} {g} {'sym' if self.symmetric else 'asym'}"
+
+
+def find_params(w: torch.Tensor, spec: QuantSpec, clip: torch.Tensor | float | None = None):
+    """Scale and zero point per row of ``w`` (rows, n), one group's columns.
+
+    ``clip`` (per row or scalar, in (0, 1]) shrinks the range (AWQ's clip search, MSE grids).
+    Returns ``scale`` (rows,) float32, already rounded to fp16, and ``zero`` (rows,) float32
+    holding integers.
+    """
+    w = w.float()
+    if spec.symmetric:
+        idx = w.abs().argmax(dim=1, keepdim=True)
+        m = w.gather(1, idx).squeeze(1)
+        if clip is not None:
+            m = m * clip
+        scale = m / -(2 ** (spec.bits - 1))
+        zero = torch.full_like(scale, 2 ** (spec.bits - 1))
+    else:
+        xmin = w.min(dim=1).values.clamp(max=0)
+        xmax = w.max(dim=1).values.clamp(min=0)
+        if clip is not None:
+            xmin, xmax = xmin * clip, xmax * clip
+        scale = (xmax - xmin) / spec.maxq
+        zero = torch.zeros_like(scale)
+    scale = scale.half().float()
+    tiny = scale.abs() < 1e-8  # an all-zero group: any scale gives zeros; keep it finite
+    scale = torch.where(tiny, torch.ones_like(scale), scale)
+    if not spec.symmetric:
+        zero = torch.round(-xmin / scale).clamp(0, spec.maxq)
+        zero = torch.where(tiny, torch.zeros_like(zero), zero)
+    return scale, zero
+
+
+def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Integer codes (as float) of ``w`` under per-row (or broadcast) ``scale``/``zero``."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return scale * (q - zero)
+
+
+def fake_quantize(w: torch.Tensor, spec: QuantSpec, clip=None) -> torch.Tensor:
+    """Round ``w`` (rows, cols) to the grid group by group and return the dequantized values."""
+    return quantize_groups(w, spec, clip=clip)[0]
+
+
+def quantize_groups(w: torch.Tensor, spec: QuantSpec, clip=None):
+    """Round-to-nearest of a whole weight, group by group.
+
+    ``clip`` is None, a scalar, or (rows, n_groups). Returns (dequantized fp32, codes uint8,
+    scales fp16 (rows, G), zeros uint8 (rows, G)).
+    """
+    rows, cols = w.shape
+    g = spec.group_width(cols)
+    scales, zeros, deq, codes = [], [], torch.empty(rows, cols), torch.empty(rows, cols, dtype=torch.uint8)
+    for gi, start in enumerate(range(0, cols, g)):
+        block = w[:, start : start + g].float()
+        c = clip[:, gi] if isinstance(clip, torch.Tensor) and clip.dim() == 2 else clip
+        scale, zero = find_params(block, spec, c)
+        q = quantize(block, scale[:, None], zero[:, None], spec.maxq)
+        deq[:, start : start + g] = dequantize(q, scale[:, None], zero[:, None])
+        codes[:, start : start + g] = q.to(torch.uint8)
+        scales.append(scale)
+        zeros.append(zero)
+    return deq, codes, torch.stack(scales, 1).half(), torch.stack(zeros, 1).to(torch.uint8)
+
+
+def expand_groups(params: torch.Tensor, spec: QuantSpec, columns: int) -> torch.Tensor:
+    """(rows, G) group parameters -> (rows, columns), one value per column."""
+    g = spec.group_width(columns)
+    return params.repeat_interleave(g, dim=1)[:, :columns]
+
+
+def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    cols = codes.shape[1]
+    s = expand_groups(scales.float(), spec, cols)
+    z = expand_groups(zeros.float(), spec, cols)
+    return dequantize(codes.float(), s, z)
+
+
+# --- packing for storage ---------------------------------------------------------------------
+
+
+def codes_per_byte(bits: int) -> int:
+    return 4 if bits <= 2 else 2 if bits <= 4 else 1
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(rows, cols) uint8 codes -> (rows, ceil(cols/k)) bytes; element k*i+j in bits j*w.. (low first).
+
+    With 4-bit codes this is ONNX MatMulNBits' layout (element 2i in the low nibble).
+    """
+    k = codes_per_byte(bits)
+    if k == 1:
+        return codes.to(torch.uint8).contiguous()
+    width = 8 // k
+    rows, cols = codes.shape
+    pad = (-cols) % k
+    c = torch.nn.functional.pad(codes.to(torch.int32), (0, pad)).view(rows, -1, k)
+    packed = torch.zeros(rows, c.shape[1], dtype=torch.int32)
+    for j in range(k):
+        packed |= c[:, :, j] << (width * j)
+    return packed.to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    k = codes_per_byte(bits)
+    if k == 1:
+        return packed.to(torch.uint8)[:, :cols]
+    width = 8 // k
+    p = packed.to(torch.int32)
+    parts = [(p >> (width * j)) & ((1 << width) - 1) for j in range(k)]
+    return torch.stack(parts, dim=2).reshape(p.shape[0], -1)[:, :cols].to(torch.uint8)
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.packbits(mask.numpy().astype(bool), axis=1, bitorder="little"))
+
+
+def unpack_mask(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    return torch.from_numpy(np.unpackbits(packed.numpy(), axis=1, bitorder="little")[:, :cols].astype(bool))

@@ -1,0 +1,141 @@
+"""Calibration data: named sets from the data folder, local files, Hub datasets.
+
+A spec is one of:
+- ``c4``: the C4 (en) sample in ``<data>/calibration/c4_en.jsonl``;
+- ``multilingual`` or ``multilingual:de,fr``: the sentences in ``<data>/calibration/multilingual``;
+- a ``.jsonl`` file (a ``text`` field per line) or any other text file;
+- ``hf:DATASET[:CONFIG][:SPLIT]``: a Hugging Face dataset with a ``text`` column (needs
+  ``pip install datasets`` and a network).
+
+Sampling: the documents are tokenized in file order and joined by a blank line, and
+``nsamples`` windows of ``seqlen`` tokens start at positions drawn by ``random.Random(seed)``.
+The same spec, seed and tokenizer give the same token ids, byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import DataError, RuntimeNotInstalledError
+from ..fsutil import sha256_file
+from ..paths import data_dir
+
+
+@dataclass
+class CalibrationSet:
+    tokens: torch.Tensor  # (nsamples, seqlen) int64
+    identity: dict
+
+
+def read_texts(spec: str, data: str | Path | None = None, text_field: str = "text") -> tuple[list[str], dict]:
+    """The documents a spec names, and where they came from (with file hashes)."""
+    if spec.startswith("hf:"):
+        return _hub_texts(spec[3:], text_field)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return _file_texts(path, text_field), {"files": {str(path.resolve()): sha256_file(path)}}
+    name, _, arg = spec.partition(":")
+    root = data_dir(data)
+    if name == "c4" and not arg:
+        files = [root / "calibration" / "c4_en.jsonl"]
+    elif name == "multilingual":
+        folder = root / "calibration" / "multilingual"
+        available = sorted(p.stem for p in folder.glob("*.txt"))
+        langs = [lang.strip() for lang in arg.split(",") if lang.strip()] if arg else available
+        unknown = [lang for lang in langs if lang not in available]
+        if unknown:
+            raise DataError(f"no multilingual calibration text for {', '.join(unknown)}; available: {', '.join(available)}")
+        files = [folder / f"{lang}.txt" for lang in langs]
+    else:
+        raise DataError(
+            f"calibration data '{spec}' not found: give c4, multilingual[:LANGS], a .txt/.jsonl file, or hf:DATASET"
+        )
+    texts: list[str] = []
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"calibration file {f} is missing from the data folder")
+        texts.extend(_file_texts(f, text_field))
+    return texts, {"files": {str(f.relative_to(root)): sha256_file(f) for f in files}}
+
+
+def _file_texts(path: Path, text_field: str) -> list[str]:
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 text") from exc
+    if path.suffix.lower() == ".jsonl":
+        texts = []
+        for lineno, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise DataError(f"{path}:{lineno} is not valid JSON") from exc
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise DataError(f"{path}:{lineno} has no string field '{text_field}'")
+            texts.append(record[text_field])
+        return texts
+    return [line for line in raw.splitlines() if line.strip()]
+
+
+def _hub_texts(spec: str, text_field: str) -> tuple[list[str], dict]:
+    try:
+        import datasets
+    except ImportError as exc:
+        raise RuntimeNotInstalledError("Hub calibration datasets need the datasets package: pip install datasets") from exc
+    parts = spec.split(":")
+    name = parts[0]
+    config = parts[1] if len(parts) > 1 and parts[1] else None
+    split = parts[2] if len(parts) > 2 else "train"
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:
+        raise DataError(f"cannot load dataset '{name}' from the Hugging Face Hub: {str(exc).splitlines()[0]}") from exc
+    if text_field not in ds.column_names:
+        raise DataError(f"dataset '{name}' has no '{text_field}' column (columns: {', '.join(ds.column_names)})")
+    return [t for t in ds[text_field] if t and t.strip()], {"dataset": name, "config": config, "split": split,
+                                                             "fingerprint": getattr(ds, "_fingerprint", None)}
+
+
+def token_stream(tokenizer, texts: list[str], max_tokens: int | None = None) -> list[int]:
+    """Token ids of the documents joined by a blank line (no special tokens)."""
+    sep = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    ids: list[int] = []
+    chunk = 256
+    for start in range(0, len(texts), chunk):
+        for doc in tokenizer(texts[start : start + chunk], add_special_tokens=False, verbose=False)["input_ids"]:
+            if ids:
+                ids.extend(sep)
+            ids.extend(doc)
+        if max_tokens is not None and len(ids) >= max_tokens:
+            break
+    return ids
+
+
+def load_calibration(
+    spec: str, tokenizer, nsamples: int, seqlen: int, seed: int = 0, data: str | Path | None = None, text_field: str = "text"
+) -> CalibrationSet:
+    texts, origin = read_texts(spec, data, text_field)
+    ids = token_stream(tokenizer, texts)
+    if len(ids) < seqlen + 1:
+        raise DataError(f"calibration data '{spec}' has {len(ids)} tokens; one sample needs {seqlen}")
+    rng = random.Random(seed)
+    starts = [rng.randrange(0, len(ids) - seqlen + 1) for _ in range(nsamples)]
+    tokens = torch.tensor([ids[s : s + seqlen] for s in starts], dtype=torch.long)
+    identity = {
+        "spec": spec,
+        **origin,
+        "nsamples": nsamples,
+        "seqlen": seqlen,
+        "seed": seed,
+        "stream_tokens": len(ids),
+        "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
+    }
+    return CalibrationSet(tokens, identity)

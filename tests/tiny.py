@@ -1,0 +1,100 @@
+"""Tiny random-weight models, one per architecture in the table, built in the test run.
+
+Nothing comes from a hub: configs are written here, weights are random (seeded), and the
+tokenizer is a byte-level BPE trained in milliseconds on a few built-in sentences.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Small language models run on phones, boards and laptops.",
+    "Quantization keeps fidelity better than pruning in many languages.",
+    "Die Katze schläft auf dem Sofa, während es draußen regnet.",
+    "El perro corre por el parque con una pelota roja.",
+    "def add(a, b):\n    return a + b",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and then 11, 12, 13.",
+]
+
+VOCAB = 384
+
+
+def _common(**over):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    base.update(over)
+    return base
+
+
+def tiny_config(model_type: str):
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
+
+    if model_type == "llama":  # kv heads == heads, so AWQ's v_proj -> o_proj mapping is exercised
+        return LlamaConfig(**_common(num_key_value_heads=4, tie_word_embeddings=True))
+    if model_type == "mistral":
+        return MistralConfig(**_common(sliding_window=None, tie_word_embeddings=False))
+    if model_type == "qwen2":
+        return Qwen2Config(**_common(tie_word_embeddings=True))
+    if model_type == "qwen3":
+        return Qwen3Config(**_common(head_dim=16, tie_word_embeddings=True))
+    if model_type == "phi3":
+        return Phi3Config(**_common(tie_word_embeddings=False))
+    if model_type == "gemma2":
+        return Gemma2Config(**_common(head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+                                      layer_types=["sliding_attention", "full_attention"]))
+    if model_type == "gemma3_text":
+        return Gemma3TextConfig(**_common(head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+                                          layer_types=["sliding_attention", "full_attention"]))
+    raise KeyError(model_type)
+
+
+TINY_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TEXT * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def tiny_model(model_type: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # random norms make scale-folding checks meaningful
+                p.copy_(torch.rand_like(p) * 0.5 + (0.75 if p.mean() > 0.5 else 0.1))
+            else:
+                p.normal_(0, 0.08)
+    return model.eval()
+
+
+def save_tiny(model_type: str, path: Path, seed: int = 0) -> Path:
+    path = Path(path)
+    tiny_model(model_type, seed).save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def calib_text(path: Path, repeats: int = 40) -> Path:
+    import random
+
+    rng = random.Random(0)
+    lines = [rng.choice(TEXT) for _ in range(len(TEXT) * repeats)]
+    Path(path).write_text("\n".join(lines), encoding="utf-8")
+    return Path(path)
