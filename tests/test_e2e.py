@@ -41,6 +41,16 @@ def test_default_model_is_imported_and_checked_against_llama_cpp(default_model):
     assert (default_model.hf_dir / "model.safetensors").is_file()
 
 
+def test_a_gguf_file_is_a_model_source(default_model, tmp_path):
+    gguf = source.embedded_gguf_path("smollm2-135m")
+    result = CliRunner().invoke(app, ["compress", str(gguf), "--method", "rtn", "--bits", "8", "-g", "-1", "--sym",
+                                      "-o", str(tmp_path / "r8")])
+    assert result.exit_code == 0, result.output
+    base = Artifact.open(tmp_path / "r8").manifest["base_model"]
+    assert base["kind"] == "gguf" and base["gguf_sha256"] == default_model.identity["gguf_sha256"]
+    assert base["import_check"]["top1_agreement"] > 0.85
+
+
 def test_a_wrong_import_is_refused(default_model):
     from slmedge.models.gguf_check import check_against_llamacpp
 

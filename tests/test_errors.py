@@ -144,3 +144,14 @@ def test_help_has_examples():
     for cmd in ("compress", "run", "methods"):
         result = runner.invoke(app, [cmd, "--help"])
         assert result.exit_code == 0 and "Example" in result.output
+
+
+def test_hub_id_without_network_is_one_clear_error(tmp_path):
+    # HF_HUB_OFFLINE=1 in the tests: the real download code runs and fails as it would offline.
+    out = tmp_path / "out"
+    assert_clean_failure(invoke("someorg/no-such-model", "--method", "rtn", "-o", out), out, "Hugging Face Hub")
+
+
+def test_unknown_device(tiny_models, tmp_path):
+    out = tmp_path / "out"
+    assert_clean_failure(invoke(tiny_models("llama"), "--method", "rtn", "--device", "tpu9", "-o", out), out, "device")

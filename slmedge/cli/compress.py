@@ -34,8 +34,8 @@ def print_summary(outcome, as_json: bool = False) -> None:
         console.print_json(json.dumps({"artifact": str(outcome.artifact), **s}))
         return
     table = Table(title=f"slmedge compress: {s['recipe']}", show_header=False)
-    table.add_row("model", json.dumps(outcome.manifest["base_model"].get("name") or outcome.manifest["base_model"].get("id")
-                                      or outcome.manifest["base_model"].get("path")).strip('"'))
+    base = outcome.manifest["base_model"]
+    table.add_row("model", str(base.get("name") or base.get("id") or base.get("path")))
     table.add_row("architecture", outcome.manifest["architecture"])
     table.add_row("compressed linears", f"{s['compressed_linears']} ({s['compressed_parameters']:,} of {s['parameters']:,} parameters)")
     if s["bits_per_weight"] is not None:
@@ -72,7 +72,7 @@ def compress_command(
     damp: float = typer.Option(0.01, "--damp", help="GPTQ/SparseGPT: fraction of mean(diag H) added to the diagonal."),
     block_size: int = typer.Option(128, "--block-size", help="GPTQ/SparseGPT: columns updated together."),
     act_order: bool = typer.Option(True, "--act-order/--no-act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal (static groups)."),
-    true_sequential: bool = typer.Option(True, "--true-sequential/--no-true-sequential", help="GPTQ/SparseGPT/Wanda: later linears see earlier ones compressed."),
+    true_sequential: Optional[bool] = typer.Option(None, "--true-sequential/--no-true-sequential", help="Later linears of a block see earlier ones compressed (default: the method's reference: on for GPTQ/SparseGPT, off for Wanda)."),
     awq_grid: int = typer.Option(20, "--awq-grid", help="AWQ: scale-exponent grid points."),
     awq_clip: bool = typer.Option(True, "--awq-clip/--no-awq-clip", help="AWQ: search clipping ratios."),
     awq_max_tokens: int = typer.Option(2048, "--awq-max-tokens", help="AWQ: calibration tokens used by the search losses."),

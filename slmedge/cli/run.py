@@ -45,8 +45,7 @@ def run_command(
         artifact = _reusable(out, recipe) if not overwrite else None
         with progress_bar() as progress:
             if artifact is None:
-                outcome = compress(model, recipe, out, data_dir=data_dir, overwrite=True if out.exists() and
-                                   _is_artifact(out) else overwrite, progress=progress)
+                outcome = compress(model, recipe, out, data_dir=data_dir, overwrite=overwrite, progress=progress)
                 from .compress import print_summary
 
                 print_summary(outcome)

@@ -111,7 +111,7 @@ def compress(
     method = get_method(recipe.method).cls(recipe)
     calib = None
     calib_identity = None
-    if method.needs_calibration or hasattr(method, "compress_block"):
+    if method.needs_calibration:
         calib_set = load_calibration(recipe.calibration, loaded.tokenizer, recipe.nsamples, recipe.seqlen, recipe.seed,
                                      data=data_dir, text_field=text_field)
         calib, calib_identity = calib_set.tokens, calib_set.identity

@@ -147,11 +147,12 @@ def compress_model(
     info = get_method(recipe.method)
     method = info.cls(recipe)
     block_method = getattr(method, "compress_block", None)
-    needs_data = method.needs_calibration or block_method is not None
+    needs_data = method.needs_calibration
     layers = model.get_submodule(arch.layers)
     result = CompressionResult()
     started = time.perf_counter()
 
+    head_needs_data = method.stats_class is not None and not is_skipped(arch.lm_head, recipe.skip)
     inputs = None
     if needs_data:
         if calibration is None:
@@ -168,11 +169,12 @@ def compress_model(
             found, extras = block_method(layer, prefix, linears, inputs, idx, arch)
             result.layers.update(found)
             result.extras.update(extras)
-        elif not method.needs_calibration:
+        elif method.stats_class is None:  # data-free: nothing to collect
             for name, linear in linears.items():
                 result.layers[name] = _apply(linear, method.compress(name, linear.weight.data.float(), None))
         else:
-            groups = arch.sequential if recipe.true_sequential else (arch.linear_names,)
+            sequential = method.true_sequential if recipe.true_sequential is None else recipe.true_sequential
+            groups = arch.sequential if sequential else (arch.linear_names,)
             for group in groups:
                 todo = {f"{prefix}.{rel}": linears[f"{prefix}.{rel}"] for rel in group if f"{prefix}.{rel}" in linears}
                 if not todo:
@@ -181,7 +183,8 @@ def compress_model(
                 for name, linear in todo.items():
                     result.layers[name] = _apply(linear, method.compress(name, linear.weight.data.float(), stats[name]))
                     del stats[name]
-        if inputs is not None:
+        # The next block (or lm_head's statistics) sees this block's compressed outputs.
+        if inputs is not None and (idx < len(layers) - 1 or head_needs_data):
             inputs.hidden = [run_block(layer, h, inputs.kwargs(idx, h)) for h in inputs.hidden]
         if device.type != "cpu":
             layer.to("cpu")
@@ -237,7 +240,7 @@ def _compress_head(model, arch, method, inputs, device) -> LinearResult:
     if getattr(method, "compress_block", None) is not None:
         raise ConfigError(f"{method.name} cannot compress {arch.lm_head}; keep it in --skip")
     stats = None
-    if method.needs_calibration:
+    if method.stats_class is not None:
         norm = model.get_submodule(arch.final_norm)
         stats = method.stats_class(head.in_features, device)
         for hidden in inputs.hidden:

@@ -109,17 +109,23 @@ def quantize_groups(w: torch.Tensor, spec: QuantSpec, clip=None):
     """
     rows, cols = w.shape
     g = spec.group_width(cols)
-    scales, zeros, deq, codes = [], [], torch.empty(rows, cols), torch.empty(rows, cols, dtype=torch.uint8)
-    for gi, start in enumerate(range(0, cols, g)):
-        block = w[:, start : start + g].float()
-        c = clip[:, gi] if isinstance(clip, torch.Tensor) and clip.dim() == 2 else clip
+    full = cols // g  # whole groups, done at once; a ragged last group separately
+    parts = [(0, full, g)] + ([(full * g, 1, cols - full * g)] if cols % g else [])
+    deqs, codes, scales, zeros = [], [], [], []
+    for start, count, width in parts:
+        block = w[:, start : start + count * width].float().reshape(rows * count, width)
+        c = clip
+        if isinstance(clip, torch.Tensor) and clip.dim() == 2:
+            gi = start // g
+            c = clip[:, gi : gi + count].reshape(-1)
         scale, zero = find_params(block, spec, c)
         q = quantize(block, scale[:, None], zero[:, None], spec.maxq)
-        deq[:, start : start + g] = dequantize(q, scale[:, None], zero[:, None])
-        codes[:, start : start + g] = q.to(torch.uint8)
-        scales.append(scale)
-        zeros.append(zero)
-    return deq, codes, torch.stack(scales, 1).half(), torch.stack(zeros, 1).to(torch.uint8)
+        deqs.append(dequantize(q, scale[:, None], zero[:, None]).reshape(rows, count * width))
+        codes.append(q.to(torch.uint8).reshape(rows, count * width))
+        scales.append(scale.reshape(rows, count))
+        zeros.append(zero.reshape(rows, count))
+    return (torch.cat(deqs, 1), torch.cat(codes, 1), torch.cat(scales, 1).half(),
+            torch.cat(zeros, 1).to(torch.uint8))
 
 
 def expand_groups(params: torch.Tensor, spec: QuantSpec, columns: int) -> torch.Tensor:

@@ -67,7 +67,9 @@ class Recipe:
     damp: float = 0.01  # fraction of mean(diag H) added to the diagonal (the papers' percdamp)
     block_size: int = 128  # columns processed together; the error is propagated lazily between blocks
     act_order: bool = True  # quantize columns by decreasing Hessian diagonal, with static groups
-    true_sequential: bool = True  # statistics of later linears see the already-compressed earlier ones
+    # Statistics of later linears see the already-compressed earlier ones. None: the method's
+    # reference behaviour (GPTQ, SparseGPT: on; Wanda: off, one pass per block).
+    true_sequential: bool | None = None
     # AWQ.
     awq_grid: int = 20  # points of the scale-exponent grid in [0, 1)
     awq_clip: bool = True  # search a clipping ratio per group after scaling

@@ -7,7 +7,9 @@ known to be) and nothing built on it can be trusted, so slmedge refuses it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 
 import numpy as np
 import torch
@@ -48,18 +50,37 @@ def compare_logits(reference: np.ndarray, candidate: np.ndarray) -> dict:
     }
 
 
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """Silence what llama.cpp's C code prints on fd 2 even with verbose=False."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no real stderr (e.g. captured by a test runner)
+        yield
+        return
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), fd)
+            yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
 def llamacpp_logits(gguf_path, token_ids: list[int], n_threads: int | None = None) -> np.ndarray:
     from .source import require_llama_cpp
 
     llama_cpp = require_llama_cpp()
-    llm = llama_cpp.Llama(
-        model_path=str(gguf_path),
-        n_ctx=max(64, len(token_ids) + 8),
-        n_batch=max(64, len(token_ids) + 8),
-        logits_all=True,
-        verbose=False,
-        n_threads=n_threads or max(1, os.cpu_count() or 1),
-    )
+    with quiet_native_stderr():
+        llm = llama_cpp.Llama(
+            model_path=str(gguf_path),
+            n_ctx=max(64, len(token_ids) + 8),
+            n_batch=max(64, len(token_ids) + 8),
+            logits_all=True,
+            verbose=False,
+            n_threads=n_threads or max(1, os.cpu_count() or 1),
+        )
     try:
         llm.eval(token_ids)
         return np.array(llm.scores[: len(token_ids)], dtype=np.float32)
@@ -73,7 +94,8 @@ def check_against_llamacpp(model, tokenizer, gguf_path, text: str = PROBE) -> di
 
     llama_cpp = require_llama_cpp()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    vocab_only = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
+    with quiet_native_stderr():
+        vocab_only = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
     try:
         cpp_ids = vocab_only.tokenize(text.encode("utf-8"), add_bos=False, special=False)
     finally:

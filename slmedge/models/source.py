@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -89,7 +88,7 @@ def resolve(spec: str | None, revision: str | None = None) -> ModelSource:
         if path.suffix.lower() == ".gguf":
             return ModelSource("gguf", str(path), path=path.resolve())
         raise ModelNotFoundError(f"{path} is a file but not a .gguf model; give a model folder, a .gguf file or a Hub id")
-    looks_local = spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf") or os.sep in spec.strip("/").replace("/", "", 1)
+    looks_local = spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf") or spec.count("/") != 1
     if looks_local or not _HUB_ID.match(spec):
         raise ModelNotFoundError(
             f"model '{spec}' not found: not a local folder or .gguf file, not a Hugging Face id (org/name), "
@@ -110,7 +109,7 @@ def load(
     source = spec if isinstance(spec, ModelSource) else resolve(spec, revision)
     if source.kind == "embedded":
         gguf_path = embedded_gguf_path(source.spec)
-        hf_dir = gguf_to_hf_dir(gguf_path, cache_name=source.spec, verify=verify_gguf)
+        hf_dir = gguf_to_hf_dir(gguf_path, verify=verify_gguf)
         identity = {"kind": "embedded", "name": source.spec, "gguf": gguf_path.name, **_read_source_file(hf_dir)}
     elif source.kind == "gguf":
         hf_dir = gguf_to_hf_dir(source.path, verify=verify_gguf)
@@ -231,7 +230,7 @@ def _first_line(exc: BaseException) -> str:
 # --- GGUF import ---------------------------------------------------------------------------
 
 
-def gguf_to_hf_dir(gguf_path: Path, cache_name: str | None = None, verify: bool = True) -> Path:
+def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     """Convert a GGUF file to a cached HF folder once; return the folder.
 
     The conversion (transformers' GGUF loader, dequantizing every tensor) takes minutes on a
@@ -241,7 +240,7 @@ def gguf_to_hf_dir(gguf_path: Path, cache_name: str | None = None, verify: bool 
 
     gguf_path = Path(gguf_path)
     digest = sha256_file(gguf_path)
-    dest = cache_dir() / "models" / f"{cache_name or 'gguf'}-{digest[:16]}"
+    dest = cache_dir() / "models" / f"gguf-{digest[:16]}"  # the embedded default and its file share it
     if (dest / SOURCE_FILE).is_file():
         return dest
     try:

@@ -79,6 +79,7 @@ def clip_search(w: torch.Tensor, x: torch.Tensor, spec: QuantSpec, n_grid: int =
 class AWQ(Method):
     kind = "quantize"
     summary = "AWQ: activation-aware scaling and clipping, folded into the preceding norm or linear"
+    needs_calibration = True  # a block-level method: no per-linear statistics
 
     def compress_block(self, layer, prefix, linears, inputs, layer_index, arch):
         """Search and apply scales and clips for one block; returns ({name: result}, extras)."""

@@ -72,6 +72,7 @@ class Method:
     kind: str = "quantize"  # "quantize" | "prune"
     stats_class: type | None = None
     summary: str = ""
+    true_sequential: bool = True  # the reference implementation's default (see Recipe)
 
     def __init__(self, recipe):
         self.recipe = recipe
@@ -80,6 +81,7 @@ class Method:
 
     @property
     def needs_calibration(self) -> bool:
+        """Whether the method reads calibration data (block-level methods override this)."""
         return self.stats_class is not None
 
     def compress(self, name: str, weight: torch.Tensor, stats) -> LinearResult:

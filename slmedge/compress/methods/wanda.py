@@ -15,6 +15,7 @@ from .pruning import prune_by_score
 class Wanda(Method):
     kind = "prune"
     stats_class = InputNormStats
+    true_sequential = False  # locuslab/wanda collects every linear of a block in one pass
     summary = "Wanda pruning: |weight| x input-activation norm, per output row"
 
     def compress(self, name, weight, stats):

@@ -1,0 +1,337 @@
+"""GGUF export on tiny models: llama.cpp loads what we write, and the artifact's codes arrive as they are."""
+
+import warnings
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slmedge.compress.api import compress
+from slmedge.compress.artifact import Artifact
+from slmedge.compress.recipe import Recipe
+from slmedge.errors import OutputExistsError, UnsupportedArchitectureError
+from slmedge.export import GGUFExportError, GGUFVerificationError
+from slmedge.export import gguf as gx
+from slmedge.export.gguf import export_gguf, permute_rows, pre_tokenizer_name, unpermute_rows
+
+# (model type, method, recipe overrides, GGUF type the codes must land in)
+CASES = [
+    ("llama", "gptq", dict(bits=4, group_size=32, symmetric=True), "Q4_0"),
+    ("llama", "awq", dict(bits=4, group_size=32, symmetric=False), "Q4_1"),
+    ("llama", "rtn", dict(bits=8, group_size=-1, symmetric=True), "Q8_0"),
+    ("qwen2", "gptq", dict(bits=4, group_size=32, symmetric=True), "Q4_0"),
+    ("qwen2", "awq", dict(bits=4, group_size=32, symmetric=False), "Q4_1"),
+    ("qwen2", "rtn", dict(bits=8, group_size=-1, symmetric=True), "Q8_0"),
+]
+
+
+def small_recipe(calib_file, **kw) -> Recipe:
+    base = dict(group_size=32, calibration=str(calib_file), nsamples=6, seqlen=32, batch_size=4, awq_grid=4)
+    base.update(kw)
+    return Recipe(**base)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_models, calib_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-artifacts")
+    built = {}
+
+    def get(model_type, method, **kw):
+        key = (model_type, method, tuple(sorted(kw.items())))
+        if key not in built:
+            out = root / f"{model_type}-{method}-{len(built)}"
+            compress(str(tiny_models(model_type)), small_recipe(calib_file, method=method, **kw), out, device="cpu")
+            built[key] = out
+        return built[key]
+
+    return get
+
+
+def read(path):
+    reader = gguf.GGUFReader(str(path))
+    big = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+    fields = {name: f.contents() for name, f in reader.fields.items() if name not in big}
+    return reader, fields, {t.name: t for t in reader.tensors}
+
+
+# --- f32: the layout, metadata and tokenizer are right ------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_f32_gguf_gives_torch_logits_in_llamacpp(model_type, tiny_models, tmp_path):
+    out = tmp_path / "m.gguf"
+    report = export_gguf(tiny_models(model_type), out, qtype="f32")
+    v = report["verification"]
+    assert v["tokenizer_agrees"]  # llama.cpp tokenizes the probe as transformers does
+    assert v["mean_kl"] < 1e-5 and v["max_abs_logit_diff"] < 0.02 and v["top1_agreement"] > 0.97
+    _, fields, tensors = read(out)
+    assert fields["general.architecture"] == model_type
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
+    assert fields[f"{model_type}.block_count"] == 2 and fields[f"{model_type}.embedding_length"] == 64
+    assert fields[f"{model_type}.attention.head_count_kv"] == (4 if model_type == "llama" else 2)
+    assert "output.weight" not in tensors  # tied embeddings
+    assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in tensors.values())
+    assert report["qk_permuted"] == (model_type == "llama")
+
+
+def test_f16_and_hf_folder_quantized_by_llamacpp(tiny_models, tmp_path):
+    src = tiny_models("qwen2")
+    f16 = export_gguf(src, tmp_path / "f16.gguf", qtype="f16")
+    assert f16["tensors"]["blk.0.attn_q.weight"]["type"] == "F16" and f16["verification"]["mean_kl"] < 1e-4
+    q4 = export_gguf(src, tmp_path / "q4.gguf", qtype="q4_0")  # no codes: llama.cpp's quantizer
+    assert q4["requantized_by_llamacpp"] > 0 and q4["codes_kept"] == 0
+    _, _, tensors = read(tmp_path / "q4.gguf")
+    assert tensors["blk.0.ffn_up.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_0
+    assert tensors["blk.0.attn_q.bias"].tensor_type == gguf.GGMLQuantizationType.F32
+
+
+# --- codes -> blocks ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type,method,kw,qtype", CASES, ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in CASES])
+def test_artifact_codes_reach_gguf_blocks_unchanged(model_type, method, kw, qtype, artifacts, tmp_path):
+    art_dir = artifacts(model_type, method, **kw)
+    out = tmp_path / "m.gguf"
+    report = export_gguf(art_dir, out)  # auto: the type matching the codes
+    assert report["qtype"] == qtype.lower() and report["exact"] and report["requantized_by_llamacpp"] == 0
+    art = Artifact.open(art_dir)
+    layers = art.layers()
+    assert report["codes_kept"] == len(layers)
+    model = AutoModelForCausalLM.from_pretrained(art_dir)
+    _, _, tensors = read(out)
+    heads = {"self_attn.q_proj": 4, "self_attn.k_proj": 4 if model_type == "llama" else 2}
+    for name, res in layers.items():
+        gname = next(g for g, info in report["tensors"].items() if info.get("hf_name") == f"{name}.weight")
+        t = tensors[gname]
+        assert t.tensor_type == gguf.GGMLQuantizationType[qtype], name
+        decoded = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(res.codes.shape)
+        rel = name.split(".", 3)[-1]
+        if model_type == "llama" and rel in heads:  # undo llama.cpp's rotary row order
+            decoded = unpermute_rows(decoded, heads[rel])
+        weight = model.get_submodule(name).weight.data.numpy()
+        if qtype == "Q4_1":  # m = -scale*zero is rounded to fp16: within half an fp16 step of m
+            m = (res.scales.float() * res.zeros.float()).abs().max().item()
+            assert np.abs(decoded - weight).max() <= m * 2.0**-11 + 1e-7, name
+        else:
+            assert np.array_equal(decoded, weight), name
+    v = report["verification"]
+    assert v["tokenizer_agrees"] and v["mean_kl"] < 0.01 and v["top1_agreement"] >= 0.9
+
+
+def test_blocks_follow_llamacpp_layout():
+    # One row, one block: element j in the low nibble of byte j, element j+16 in its high nibble.
+    from slmedge.compress.quant import QuantSpec
+
+    codes = np.arange(32, dtype=np.uint8)[None] % 16
+    scales = np.array([[0.5]], dtype=np.float16)
+    zeros = np.array([[8]], dtype=np.uint8)
+    blocks = gx.codes_to_blocks(codes, scales, zeros, QuantSpec(4, 32, True), gx.QTYPES["q4_0"])
+    assert blocks.shape == (1, 18)
+    assert blocks[0, 2] == (codes[0, 0] | (codes[0, 16] << 4))
+    decoded = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_0)
+    assert np.array_equal(decoded[0], 0.5 * (codes[0].astype(np.float32) - 8))
+    # A ragged last group (96 columns, group 64): every 32-block still sits in one group.
+    spec = QuantSpec(8, 64, True)
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, (3, 96)).astype(np.uint8)
+    scales = rng.uniform(-0.1, 0.1, (3, 2)).astype(np.float16)
+    zeros = np.full((3, 2), 128, dtype=np.uint8)
+    blocks = gx.codes_to_blocks(codes, scales, zeros, spec, gx.QTYPES["q8_0"])
+    s = np.repeat(scales.astype(np.float32), 64, axis=1)[:, :96]
+    assert np.array_equal(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0),
+                          s * (codes.astype(np.float32) - 128))
+
+
+def test_qk_permutation_is_llamacpp_convert():
+    w = torch.randn(48, 8)
+    n_head = 3
+    expected = w.reshape(n_head, 2, 48 // n_head // 2, 8).swapaxes(1, 2).reshape(w.shape)  # convert_hf_to_gguf
+    assert np.array_equal(permute_rows(w.numpy(), n_head), expected.numpy())
+    assert np.array_equal(unpermute_rows(permute_rows(w.numpy(), n_head), n_head), w.numpy())
+    # Group parameters (rows, G) follow the same row order.
+    assert np.array_equal(permute_rows(w.numpy()[:, :2], n_head), expected.numpy()[:, :2])
+
+
+def test_codes_that_do_not_fit_go_through_llamacpp_with_a_warning(artifacts, tmp_path):
+    art_dir = artifacts("llama", "rtn", bits=4, group_size=16, symmetric=True)
+    with pytest.raises(GGUFExportError, match="group size 16"):
+        export_gguf(art_dir, tmp_path / "exact.gguf", exact=True)
+    assert not (tmp_path / "exact.gguf").exists()
+    with pytest.warns(UserWarning, match="calibration"):
+        report = export_gguf(art_dir, tmp_path / "m.gguf", qtype="q4_0")
+    assert report["codes_kept"] == 0 and report["requantized_by_llamacpp"] == 14 and not report["exact"]
+    assert report["tensors"]["blk.0.ffn_up.weight"]["type"] == "Q4_0"
+    assert report["verification"]["top1_agreement"] > 0.5
+
+
+# --- failures leave nothing ---------------------------------------------------------------------
+
+
+def test_failed_verification_leaves_no_file(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setitem(gx.TOLERANCES, "f32", {"mean_kl": -1.0, "top1": 1.0})
+    out = tmp_path / "out" / "m.gguf"
+    with pytest.raises(GGUFVerificationError):
+        export_gguf(tiny_models("llama"), out, qtype="f32")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_refusals(tiny_models, tmp_path):
+    with pytest.raises(UnsupportedArchitectureError):
+        export_gguf(tiny_models("gemma2"), tmp_path / "g.gguf", verify=False)
+    with pytest.raises(GGUFExportError, match="unknown GGUF type"):
+        export_gguf(tiny_models("llama"), tmp_path / "x.gguf", qtype="q5_k")
+    with pytest.raises(GGUFExportError, match="neither"):
+        export_gguf(tmp_path, tmp_path / "x.gguf")
+    (tmp_path / "exists.gguf").write_bytes(b"x")
+    with pytest.raises(OutputExistsError):
+        export_gguf(tiny_models("llama"), tmp_path / "exists.gguf")
+    assert (tmp_path / "exists.gguf").read_bytes() == b"x"
+
+
+def test_pre_tokenizer_names():
+    assert pre_tokenizer_name({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False}}) == ("gpt-2", True)
+    smollm = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
+                                                   {"type": "ByteLevel", "use_regex": True}]}
+    assert pre_tokenizer_name({"pre_tokenizer": smollm}) == ("smollm", True)
+    qwen = {"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": gx._QWEN2_REGEX}},
+                                                 {"type": "ByteLevel", "use_regex": False}]}
+    assert pre_tokenizer_name({"pre_tokenizer": qwen}) == ("qwen2", True)
+    assert pre_tokenizer_name({"pre_tokenizer": {"type": "Whitespace"}}) == ("default", False)
+
+
+def test_no_warning_when_codes_fit(artifacts, tmp_path):
+    art_dir = artifacts("qwen2", "rtn", bits=8, group_size=-1, symmetric=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        report = export_gguf(art_dir, tmp_path / "m.gguf", verify=False)
+    assert report["verification"] is None and report["qtype"] == "q8_0"
+
+
+def test_sentencepiece_tokenizer_and_chat_template(tmp_path):
+    """A Llama-2-style SentencePiece BPE (byte fallback) becomes llama.cpp's "llama" tokenizer."""
+    import io
+
+    import sentencepiece as spm
+    from tiny import TEXT, tiny_model
+    from transformers import LlamaTokenizerFast
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT * 4), model_writer=buf, vocab_size=384,
+                                   model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=0,
+                                   bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    (tmp_path / "sp.model").write_bytes(buf.getvalue())
+    tok = LlamaTokenizerFast(vocab_file=str(tmp_path / "sp.model"), legacy=False)
+    tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    src = tmp_path / "sp-llama"
+    tiny_model("llama").save_pretrained(src)
+    tok.save_pretrained(src)
+    (tmp_path / "sp.model").unlink()
+    report = export_gguf(src, tmp_path / "m.gguf", qtype="f32")
+    assert report["tokenizer"]["model"] == "llama" and report["tokenizer"]["chat_template"]
+    assert report["verification"]["tokenizer_agrees"] and report["verification"]["mean_kl"] < 1e-5
+    _, fields, _ = read(tmp_path / "m.gguf")
+    assert fields["tokenizer.chat_template"] == tok.chat_template
+    assert fields["tokenizer.ggml.bos_token_id"] == 1 and fields["tokenizer.ggml.add_bos_token"] is True
+
+
+def test_pruned_artifact_is_written_dense(artifacts, tmp_path):
+    art_dir = artifacts("qwen2", "wanda", bits=None, sparsity="2:4")
+    report = export_gguf(art_dir, tmp_path / "m.gguf")  # auto: no codes -> f16
+    info = report["tensors"]["blk.0.ffn_up.weight"]
+    assert report["qtype"] == "f16" and info["type"] == "F16" and info["sparsity"] == 0.5
+    _, _, tensors = read(tmp_path / "m.gguf")
+    t = tensors["blk.0.ffn_up.weight"]
+    dense = np.asarray(t.data).reshape(128, 64)
+    assert (dense.reshape(128, 16, 4) == 0).sum(-1).min() >= 2  # the zeros are there, stored densely
+    assert report["verification"]["mean_kl"] < 1e-4
+
+
+def test_pruned_artifact_quantized_by_llamacpp_when_asked(artifacts, tmp_path):
+    art_dir = artifacts("qwen2", "wanda", bits=None, sparsity="2:4")
+    report = export_gguf(art_dir, tmp_path / "m.gguf", qtype="q8_0")
+    assert report["tensors"]["blk.0.ffn_up.weight"]["type"] == "Q8_0" and report["requantized_by_llamacpp"] > 0
+    assert not report["notes"]  # no calibrated grid was lost: nothing to warn about
+
+
+def test_llama3_rope_scaling_writes_rope_freqs(tmp_path):
+    from tiny import tiny_config, tiny_tokenizer
+
+    cfg = tiny_config("llama")
+    cfg.rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 64}  # short, so most frequencies are scaled
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.rand_like(p) * 0.5 + 0.75) if "norm" in name else p.normal_(0, 0.08)
+    src = tmp_path / "llama3"
+    model.save_pretrained(src)
+    tiny_tokenizer().save_pretrained(src)
+    report = export_gguf(src, tmp_path / "m.gguf", qtype="f32")  # without rope_freqs: mean KL ~2e-2
+    assert report["tensors"]["rope_freqs.weight"]["shape"] == [8]
+    assert report["verification"]["mean_kl"] < 1e-5
+
+
+def test_gguf_round_trip_keeps_the_base_files_tokenizer(tiny_models, calib_file, tmp_path):
+    """Our GGUF -> slmedge compress (transformers' import, checked by llama.cpp) -> GGUF again: the
+    tokenizer metadata is copied from the base GGUF file rather than rebuilt from transformers' import."""
+    base = tmp_path / "tiny.gguf"
+    export_gguf(tiny_models("llama"), base, qtype="f32")
+    compress(str(base), small_recipe(calib_file, method="rtn", bits=4, symmetric=True), tmp_path / "a", device="cpu")
+    report = export_gguf(tmp_path / "a", tmp_path / "again.gguf")
+    assert report["tokenizer"]["source"] == "gguf:tiny.gguf" and report["qtype"] == "q4_0" and report["exact"]
+    assert report["verification"]["tokenizer_agrees"] and report["verification"]["mean_kl"] < 0.01
+    _, before, _ = read(base)
+    _, after, _ = read(tmp_path / "again.gguf")
+    assert {k: v for k, v in before.items() if k.startswith("tokenizer.")} == \
+        {k: v for k, v in after.items() if k.startswith("tokenizer.")}
+
+
+def _tokenizer_with(pre_tokenizer):
+    from tiny import TEXT, VOCAB
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    # Merges learnt under GPT-2's split (digits, spaces and newlines merge freely), then the
+    # pre-tokenizer under test: a wrong llama.cpp name then produces merges transformers cannot.
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    extra = ["In 1969, 12345 people said: I'll go!", "Don't   stop\n\n  3.14159 1969 1969 123 123"]
+    tok.train_from_iterator(TEXT * 4 + extra * 8, trainer)
+    tok.pre_tokenizer = pre_tokenizer
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "llama-bpe", "smollm"])
+def test_known_pre_tokenizers_tokenize_like_transformers_in_llamacpp(pre, tmp_path, monkeypatch):
+    from tiny import tiny_model
+    from tokenizers import Regex, pre_tokenizers
+
+    def split(regex):
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+    pt = {"gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False),
+          "qwen2": lambda: split(gx._QWEN2_REGEX), "llama-bpe": lambda: split(gx._LLAMA3_REGEX),
+          "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])}[pre]()
+    src = tmp_path / "m"
+    tiny_model("qwen2").save_pretrained(src)
+    _tokenizer_with(pt).save_pretrained(src)
+    probe = "In 1969, 12345 people said: I'll go!\n\n  Don't   stop 3.14159 naïve café 東京 🙂 ok"
+    report = export_gguf(src, tmp_path / "m.gguf", qtype="f32", probe=probe)
+    assert report["tokenizer"]["pre"] == pre and report["tokenizer"]["pre_recognised"]
+    assert report["verification"]["tokenizer_agrees"]
+    # Every other known name tokenizes the probe differently: the check above can tell them apart.
+    wrong = next(name for name in ("gpt-2", "qwen2", "smollm") if name != pre)
+    for key, name in list(gx.PRE_TOKENIZERS.items()):
+        if name == pre:
+            monkeypatch.setitem(gx.PRE_TOKENIZERS, key, wrong)
+    with pytest.raises(GGUFVerificationError, match="tokenizes"):
+        export_gguf(src, tmp_path / "wrong.gguf", qtype="f32", probe=probe)
+    assert not (tmp_path / "wrong.gguf").exists()
