@@ -53,3 +53,40 @@ def shared_data() -> Path | None:
 
 
 needs_shared_data = pytest.mark.skipif(shared_data() is None, reason="../shared/data is not beside the checkout")
+
+
+def small_recipe(calib_file, **kw):
+    from slmedge.compress.recipe import Recipe
+
+    base = dict(group_size=32, calibration=str(calib_file), nsamples=6, seqlen=32, batch_size=4, awq_grid=4)
+    base.update(kw)
+    return Recipe(**base)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_models, calib_file, tmp_path_factory):
+    """(model_type, method, source=None, **recipe) -> a compressed tiny artifact, built once per module."""
+    from slmedge.compress.api import compress
+
+    root = tmp_path_factory.mktemp("artifacts")
+    built = {}
+
+    def get(model_type, method, source=None, **kw):
+        key = (model_type, method, str(source), tuple(sorted(kw.items())))
+        if key not in built:
+            out = root / f"{model_type}-{method}-{len(built)}"
+            compress(str(source or tiny_models(model_type)), small_recipe(calib_file, method=method, **kw), out,
+                     device="cpu")
+            built[key] = out
+        return built[key]
+
+    return get
+
+
+def one_line_error(result, *words):
+    """A CLI failure printed as one 'error:' line (no traceback) naming ``words``."""
+    assert result.exit_code != 0
+    text = result.output.strip()
+    assert text.startswith("error:") and "Traceback" not in text, text
+    for w in words:
+        assert w in text, text

@@ -89,10 +89,48 @@ def test_awq_and_gptq_on_smollm2_keep_perplexity_close(default_model, tmp_path):
 
 
 def test_main_job_runs_with_no_model_argument(tmp_path):
-    result = CliRunner().invoke(app, ["run", "--nsamples", "4", "--seqlen", "128", "--ppl-windows", "1",
-                                      "-o", str(tmp_path / "main")])
+    args = ["run", "--nsamples", "4", "--seqlen", "128", "--ppl-windows", "1", "--limit", "4",
+            "-o", str(tmp_path / "main"), "--results-db", str(tmp_path / "r.sqlite")]
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert "WikiText-2 perplexity" in result.output and "base" in result.output
-    again = CliRunner().invoke(app, ["run", "--nsamples", "4", "--seqlen", "128", "--ppl-windows", "1",
-                                     "-o", str(tmp_path / "main")])
-    assert again.exit_code == 0 and "reusing" in again.output
+    for words in ("perplexity wikitext2", "perplexity th", "decode tokens/s", "mean KL vs base", "compressed (llama.cpp)"):
+        assert words in result.output, result.output
+    assert (tmp_path / "main.gguf").is_file()
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0 and "reusing" in again.output and "exported" not in again.output
+
+
+def test_smollm2_codes_reach_llamacpp_and_onnxruntime(default_model, tmp_path):
+    from slmedge.export.gguf import export_gguf
+    from slmedge.export.onnx import export_onnx
+
+    # Symmetric g32 -> Q4_0 blocks; asymmetric g128 on 576 columns (a ragged last group) -> MatMulNBits.
+    sym = compress(None, Recipe(method="rtn", bits=4, group_size=32, symmetric=True), tmp_path / "sym", device="cpu")
+    asym = compress(None, Recipe(method="rtn", bits=4, group_size=128), tmp_path / "asym", device="cpu")
+    g = export_gguf(sym.artifact, tmp_path / "m.gguf", "q4_0", exact=True)
+    assert g["codes_kept"] == 210 and g["verification"]["tokenizer_agrees"]
+    assert g["verification"]["mean_kl"] < 0.02 and g["verification"]["top1_agreement"] > 0.9
+    o = export_onnx(asym.artifact, tmp_path / "onnx", "int4", exact=True)
+    assert o["codes_kept"] == 210 and o["layers"]["model.layers.0.mlp.down_proj"]["block_size"] == 128
+    assert o["verification"]["mean_kl"] < 0.01 and o["verification"]["top1_agreement"] > 0.9
+    onnx_mb = sum(p.stat().st_size for p in (tmp_path / "onnx").glob("model.onnx*")) / 1e6
+    assert onnx_mb < 200  # int4 linears, 8-bit head, fp16 embedding (fp32 would be ~540 MB)
+
+
+def test_smollm2_torch_and_llamacpp_f32_gguf_agree_on_perplexity(default_model, tmp_path):
+    from slmedge.evaluate.perplexity import runtime_perplexity
+    from slmedge.evaluate.subject import open_subject
+    from slmedge.export.gguf import export_gguf
+
+    gguf_path = tmp_path / "f32.gguf"
+    export_gguf(default_model.hf_dir, gguf_path, "f32", verify=False)
+    text = load_corpus("wikitext2")
+    out = {}
+    for spec in (str(default_model.hf_dir), str(gguf_path)):
+        sub = open_subject(spec, n_ctx=512)
+        out[sub.runtime.name], _ = runtime_perplexity(sub.runtime, sub.encoder, text, seqlen=256, max_windows=2)
+        sub.close()
+    torch_ppl, cpp_ppl = out["torch"].perplexity, out["llama.cpp"].perplexity
+    assert out["torch"].tokens == out["llama.cpp"].tokens  # same tokenization through both tokenizers
+    assert out["torch"].bytes == out["llama.cpp"].bytes  # and the same UTF-8 bytes for bits per byte
+    assert abs(cpp_ppl / torch_ppl - 1) < 0.005, (torch_ppl, cpp_ppl)

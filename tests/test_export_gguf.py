@@ -1,5 +1,6 @@
 """GGUF export on tiny models: llama.cpp loads what we write, and the artifact's codes arrive as they are."""
 
+import json
 import warnings
 
 import gguf
@@ -8,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import small_recipe
 from slmedge.compress.api import compress
 from slmedge.compress.artifact import Artifact
-from slmedge.compress.recipe import Recipe
 from slmedge.errors import OutputExistsError, UnsupportedArchitectureError
 from slmedge.export import GGUFExportError, GGUFVerificationError
 from slmedge.export import gguf as gx
@@ -24,29 +25,13 @@ CASES = [
     ("qwen2", "gptq", dict(bits=4, group_size=32, symmetric=True), "Q4_0"),
     ("qwen2", "awq", dict(bits=4, group_size=32, symmetric=False), "Q4_1"),
     ("qwen2", "rtn", dict(bits=8, group_size=-1, symmetric=True), "Q8_0"),
+    ("mistral", "gptq", dict(bits=4, group_size=32, symmetric=True), "Q4_0"),
+    ("qwen3", "awq", dict(bits=4, group_size=64, symmetric=False), "Q4_1"),
+    ("phi3", "gptq", dict(bits=4, group_size=32, symmetric=True), "Q4_0"),
+    ("phi3", "awq", dict(bits=4, group_size=32, symmetric=False), "Q4_1"),
 ]
 
 
-def small_recipe(calib_file, **kw) -> Recipe:
-    base = dict(group_size=32, calibration=str(calib_file), nsamples=6, seqlen=32, batch_size=4, awq_grid=4)
-    base.update(kw)
-    return Recipe(**base)
-
-
-@pytest.fixture(scope="module")
-def artifacts(tiny_models, calib_file, tmp_path_factory):
-    root = tmp_path_factory.mktemp("gguf-artifacts")
-    built = {}
-
-    def get(model_type, method, **kw):
-        key = (model_type, method, tuple(sorted(kw.items())))
-        if key not in built:
-            out = root / f"{model_type}-{method}-{len(built)}"
-            compress(str(tiny_models(model_type)), small_recipe(calib_file, method=method, **kw), out, device="cpu")
-            built[key] = out
-        return built[key]
-
-    return get
 
 
 def read(path):
@@ -87,6 +72,41 @@ def test_f16_and_hf_folder_quantized_by_llamacpp(tiny_models, tmp_path):
     assert tensors["blk.0.attn_q.bias"].tensor_type == gguf.GGMLQuantizationType.F32
 
 
+@pytest.mark.parametrize("model_type", sorted(gx.GGUF_ARCHITECTURES))
+def test_every_gguf_architecture_f32_matches_torch_and_names_itself(model_type, tiny_models, tmp_path):
+    out = tmp_path / "m.gguf"
+    report = export_gguf(tiny_models(model_type), out, qtype="f32")
+    v = report["verification"]
+    assert v["tokenizer_agrees"] and v["mean_kl"] < 1e-5 and v["top1_agreement"] > 0.97
+    _, fields, tensors = read(out)
+    assert fields["general.architecture"] == gx.GGUF_ARCHITECTURES[model_type].arch.lower()
+    manifest = json.loads(fields["slmedge.manifest"])
+    assert manifest["qtype"] == "f32" and manifest["source_kind"] == "hf_dir"
+    assert set(manifest["tensors"]) <= set(tensors)
+    if model_type == "phi3":  # fused projections as llama.cpp's phi3 expects them
+        assert "blk.0.attn_qkv.weight" in tensors and tuple(tensors["blk.0.ffn_up.weight"].shape) == (64, 256)
+
+
+def test_unsupported_gguf_architecture_lists_the_supported_ones(tiny_models, tmp_path):
+    with pytest.raises(UnsupportedArchitectureError, match="supported: llama, mistral, qwen2, qwen3, phi3"):
+        export_gguf(tiny_models("gemma2"), tmp_path / "m.gguf")
+    assert not list(tmp_path.iterdir())
+
+
+def test_k_quants_go_through_llamacpp_with_a_warning_and_the_manifest_says_so(artifacts, tmp_path):
+    art_dir = artifacts("llama", "gptq", bits=4, group_size=32, symmetric=True)
+    with pytest.warns(UserWarning, match="calibration"):
+        report = export_gguf(art_dir, tmp_path / "m.gguf", qtype="q4_k_m")
+    assert report["codes_kept"] == 0 and report["requantized_by_llamacpp"] > 0 and not report["exact"]
+    _, fields, _ = read(tmp_path / "m.gguf")
+    manifest = json.loads(fields["slmedge.manifest"])
+    assert manifest["tensors"]["blk.0.ffn_up.weight"]["type"] == "requantized by llama.cpp (q4_k_m)"
+    assert manifest["tensors"]["blk.0.ffn_up.weight"]["codes_kept"] is False
+    with pytest.raises(GGUFExportError, match="cannot be kept"):
+        export_gguf(art_dir, tmp_path / "e.gguf", qtype="q4_k_m", exact=True)
+    assert not (tmp_path / "e.gguf").exists()
+
+
 # --- codes -> blocks ----------------------------------------------------------------------------
 
 
@@ -94,21 +114,25 @@ def test_f16_and_hf_folder_quantized_by_llamacpp(tiny_models, tmp_path):
 def test_artifact_codes_reach_gguf_blocks_unchanged(model_type, method, kw, qtype, artifacts, tmp_path):
     art_dir = artifacts(model_type, method, **kw)
     out = tmp_path / "m.gguf"
-    report = export_gguf(art_dir, out)  # auto: the type matching the codes
+    # auto: the type matching the codes; the embedding/head kept at f16 so logits compare tightly
+    report = export_gguf(art_dir, out, keep_f16_uncoded=True)
     assert report["qtype"] == qtype.lower() and report["exact"] and report["requantized_by_llamacpp"] == 0
     art = Artifact.open(art_dir)
     layers = art.layers()
     assert report["codes_kept"] == len(layers)
+    manifest = json.loads(read(out)[1]["slmedge.manifest"])
+    assert sum(t["codes_kept"] for t in manifest["tensors"].values()) == len(layers)
     model = AutoModelForCausalLM.from_pretrained(art_dir)
     _, _, tensors = read(out)
     heads = {"self_attn.q_proj": 4, "self_attn.k_proj": 4 if model_type == "llama" else 2}
+    permuted = model_type in ("llama", "mistral")
     for name, res in layers.items():
         gname = next(g for g, info in report["tensors"].items() if info.get("hf_name") == f"{name}.weight")
         t = tensors[gname]
         assert t.tensor_type == gguf.GGMLQuantizationType[qtype], name
         decoded = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(res.codes.shape)
         rel = name.split(".", 3)[-1]
-        if model_type == "llama" and rel in heads:  # undo llama.cpp's rotary row order
+        if permuted and rel in heads:  # undo llama.cpp's rotary row order
             decoded = unpermute_rows(decoded, heads[rel])
         weight = model.get_submodule(name).weight.data.numpy()
         if qtype == "Q4_1":  # m = -scale*zero is rounded to fp16: within half an fp16 step of m
@@ -118,6 +142,19 @@ def test_artifact_codes_reach_gguf_blocks_unchanged(model_type, method, kw, qtyp
             assert np.array_equal(decoded, weight), name
     v = report["verification"]
     assert v["tokenizer_agrees"] and v["mean_kl"] < 0.01 and v["top1_agreement"] >= 0.9
+
+
+def test_uncoded_tensors_get_llamacpps_type_and_codes_stay_exact(artifacts, tmp_path):
+    art_dir = artifacts("qwen2", "gptq", bits=4, group_size=32, symmetric=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing calibrated is lost: no warning
+        report = export_gguf(art_dir, tmp_path / "m.gguf", "q4_0")
+    assert report["exact"] and report["codes_kept"] == 14
+    emb = report["tensors"]["token_embd.weight"]
+    assert emb.get("uncoded") and emb["type"] not in ("F16", "F32")  # what llama.cpp gives it in a q4_0 file
+    small = export_gguf(art_dir, tmp_path / "f16emb.gguf", "q4_0", keep_f16_uncoded=True)
+    assert small["tensors"]["token_embd.weight"]["type"] == "F16"
+    assert report["bytes"] < small["bytes"]
 
 
 def test_blocks_follow_llamacpp_layout():
@@ -161,7 +198,7 @@ def test_codes_that_do_not_fit_go_through_llamacpp_with_a_warning(artifacts, tmp
     assert not (tmp_path / "exact.gguf").exists()
     with pytest.warns(UserWarning, match="calibration"):
         report = export_gguf(art_dir, tmp_path / "m.gguf", qtype="q4_0")
-    assert report["codes_kept"] == 0 and report["requantized_by_llamacpp"] == 14 and not report["exact"]
+    assert report["codes_kept"] == 0 and report["requantized_by_llamacpp"] == 15 and not report["exact"]  # 14 + embedding
     assert report["tensors"]["blk.0.ffn_up.weight"]["type"] == "Q4_0"
     assert report["verification"]["top1_agreement"] > 0.5
 
@@ -252,7 +289,9 @@ def test_pruned_artifact_quantized_by_llamacpp_when_asked(artifacts, tmp_path):
     art_dir = artifacts("qwen2", "wanda", bits=None, sparsity="2:4")
     report = export_gguf(art_dir, tmp_path / "m.gguf", qtype="q8_0")
     assert report["tensors"]["blk.0.ffn_up.weight"]["type"] == "Q8_0" and report["requantized_by_llamacpp"] > 0
-    assert not report["notes"]  # no calibrated grid was lost: nothing to warn about
+    # No calibrated grid was lost (no warning); the user is told sparsity buys nothing in llama.cpp.
+    assert report["notes"] == ["pruned weights are written dense with their zeros: llama.cpp gains no speed (and no "
+                               "size) from unstructured sparsity"]
 
 
 def test_llama3_rope_scaling_writes_rope_freqs(tmp_path):

@@ -6,6 +6,8 @@ import typer
 
 from .common import state
 from .compress import compress_command
+from .evaluate import evaluate_command, lm_eval_command
+from .export import export_command, inspect_command
 from .methods import methods_command
 from .run import run_command
 
@@ -25,6 +27,11 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks ins
 
 
 app.command("compress")(compress_command)
+app.command("export")(export_command)
+app.command("evaluate")(evaluate_command)
+app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                        "help_option_names": []})(lm_eval_command)
+app.command("inspect")(inspect_command)
 app.command("run")(run_command)
 app.command("methods")(methods_command)
 

@@ -1,7 +1,14 @@
-"""slmedge run: the main job on the embedded default, no arguments needed."""
+"""slmedge run: the main job on the embedded default, no arguments needed.
+
+Compress SmolLM2-135M with AWQ 4-bit, export the codes to GGUF (Q4_1 blocks, calibration kept),
+evaluate the base model (torch) and the compressed GGUF (llama.cpp) on this machine — a short
+perplexity in the seed study's seven languages, a few hundred task items, fidelity, memory,
+latency — and print them side by side. Artifact and export are reused when they match.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -12,61 +19,121 @@ from ..compress.api import compress, default_output
 from ..compress.artifact import Artifact
 from ..compress.recipe import Recipe
 from ..errors import ArtifactError
-from ..evaluate.corpora import load_corpus
-from ..evaluate.perplexity import perplexity
-from ..models.source import load
 from .common import console, errors_to_exit, progress_bar
+
+MAIN_TASKS = ("arc_easy", "piqa", "winogrande", "hellaswag", "xcopa_th", "xcopa_zh")
 
 
 def run_command(
     model: Optional[str] = typer.Argument(None, help="Model source (default: the embedded smollm2-135m)."),
     method: str = typer.Option("awq", "--method", "-m", help="Compression method."),
     bits: int = typer.Option(4, "--bits", "-b", help="Bit width."),
-    group_size: int = typer.Option(128, "--group-size", "-g", help="Group size (-1: per channel)."),
-    nsamples: int = typer.Option(64, "--nsamples", help="Calibration samples of --seqlen tokens (C4)."),
+    group_size: int = typer.Option(32, "--group-size", "-g", help="Group size (32: one scale per GGUF block, so Q4_1 holds the codes at no extra size)."),
+    nsamples: int = typer.Option(32, "--nsamples", help="Calibration samples (C4)."),
     seqlen: int = typer.Option(512, "--seqlen", help="Tokens per calibration sample and per perplexity window."),
-    windows: int = typer.Option(8, "--ppl-windows", help="WikiText-2 windows for the quick perplexity check."),
+    windows: int = typer.Option(1, "--ppl-windows", help="Perplexity windows per language."),
+    limit: int = typer.Option(40, "--limit", help="Items per task (six tasks)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Recompress even if a matching artifact exists."),
+    results_db: Optional[Path] = typer.Option(None, "--results-db", envvar="SLMEDGE_RESULTS_DB", help="SQLite results store."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help="Data folder (default ../shared/data)."),
 ):
-    """The main job: compress the default model with AWQ 4-bit and compare perplexity.
-
-    An artifact already written by the same recipe is reused, so running it twice is cheap.
+    """The main job: compress, export to GGUF, evaluate base and compressed side by side.
 
     \b
     Examples:
       slmedge run
-      slmedge run --method gptq --group-size 64
+      slmedge run --method gptq --limit 100 --ppl-windows 4
     """
+    from ..evaluate.api import EvalSettings, Evaluation
+    from ..evaluate.store import ResultsStore
+    from ..export.gguf import export_gguf
+
     with errors_to_exit():
-        recipe = Recipe(method=method, bits=bits, group_size=group_size, nsamples=nsamples, seqlen=seqlen).validate()
+        # Asymmetric codes: GGUF Q4_1 holds them exactly (scale and offset per 32-value block).
+        recipe = Recipe(method=method, bits=bits, group_size=group_size, symmetric=False, nsamples=nsamples,
+                        seqlen=seqlen).validate()
         out = Path(output) if output else default_output(model or "smollm2-135m", recipe)
         artifact = _reusable(out, recipe) if not overwrite else None
-        with progress_bar() as progress:
-            if artifact is None:
-                outcome = compress(model, recipe, out, data_dir=data_dir, overwrite=overwrite, progress=progress)
-                from .compress import print_summary
+        store = ResultsStore(results_db)
+        try:
+            with progress_bar() as progress:
+                if artifact is None:
+                    outcome = compress(model, recipe, out, data_dir=data_dir, overwrite=overwrite, progress=progress)
+                    from .compress import print_summary
 
-                print_summary(outcome)
-                compressed, tokenizer = outcome.loaded.model, outcome.loaded.tokenizer
-                artifact = Artifact.open(out)
-            else:
-                console.print(f"reusing {out} (same recipe, checksums verified); --overwrite to recompress")
-                compressed, tokenizer = artifact.load_model(), artifact.load_tokenizer()
-            text = load_corpus("wikitext2", data_dir)
-            base = load(model).model
-            rows = []
-            for label, m in (("base", base), (recipe.describe(), compressed)):
-                rows.append((label, perplexity(m, tokenizer, text, seqlen=seqlen, max_windows=windows, progress=progress)))
-        table = Table(title=f"WikiText-2 perplexity, {windows} windows of {seqlen} tokens")
-        table.add_column("model")
-        table.add_column("perplexity", justify="right")
-        table.add_column("bits/byte", justify="right")
-        for label, r in rows:
-            table.add_row(label, f"{r.perplexity:.2f} ± {r.perplexity_stderr:.2f}", f"{r.bits_per_byte:.4f}")
-        console.print(table)
-        console.print(f"artifact: {out}")
+                    print_summary(outcome)
+                    del outcome
+                else:
+                    console.print(f"reusing {out} (same recipe, checksums verified); --overwrite to recompress")
+                gguf_path = out.with_name(out.name + ".gguf")
+                if not _fresh(gguf_path, out):
+                    report = export_gguf(out, gguf_path, "auto", overwrite=True)
+                    v = report["verification"]
+                    console.print(f"exported {gguf_path} ({report['qtype']}, codes kept in {report['codes_kept']} tensors; "
+                                  f"llama.cpp vs torch: top-1 {v['top1_agreement']:.1%}, mean KL {v['mean_kl']:.2e})")
+                settings = EvalSettings(seqlen=seqlen, ppl_windows=windows, tasks=MAIN_TASKS, limit=limit, pp=256,
+                                       tg=64, repeats=2, fidelity_windows=1,
+                                       data_dir=str(data_dir) if data_dir else None)
+                rows = []
+                for spec, label in ((model or "smollm2-135m", "base (torch)"), (str(gguf_path), "compressed (llama.cpp)")):
+                    # The base has no reference; the compressed GGUF is compared with the base.
+                    metrics = tuple(m for m in settings.metrics if m != "fidelity" or not label.startswith("base"))
+                    ev = Evaluation(spec, dataclasses.replace(settings, metrics=metrics), store, None, progress)
+                    if not label.startswith("base"):
+                        ev.sub.base_spec = ev.sub.base_spec or (model or "smollm2-135m")
+                    try:
+                        rows.append((label, ev.run()))
+                    finally:
+                        ev.close()
+        finally:
+            store.close()
+        _print_side_by_side(rows, recipe)
+        console.print(f"artifact: {out}\nGGUF: {gguf_path}\nresults store: {store.path}")
+
+
+def _fresh(gguf_path: Path, artifact: Path) -> bool:
+    """An export newer than the artifact's manifest, written from it (the GGUF's manifest says so)."""
+    import json
+
+    from ..runtimes import gguf_metadata
+
+    if not gguf_path.is_file() or gguf_path.stat().st_mtime < (artifact / "slmedge.json").stat().st_mtime:
+        return False
+    try:
+        manifest = json.loads(gguf_metadata(gguf_path).get("slmedge.manifest", "{}"))
+        return manifest.get("source") == str(artifact)
+    except Exception:  # noqa: BLE001 - an unreadable file is rewritten
+        return False
+
+
+def _print_side_by_side(rows, recipe) -> None:
+    (bl, base), (cl, comp) = rows
+    t = Table("metric", bl, cl, title=f"SmolLM2-135M: base vs {recipe.describe()} as GGUF, this machine")
+    bp, cp = base["metrics"]["perplexity"], comp["metrics"]["perplexity"]
+    for name in bp:
+        t.add_row(f"perplexity {name}", f"{bp[name]['perplexity']:.2f}", f"{cp[name]['perplexity']:.2f}")
+    t.add_row("bits/byte (mean over corpora)", f"{sum(r['bits_per_byte'] for r in bp.values()) / len(bp):.4f}",
+              f"{sum(r['bits_per_byte'] for r in cp.values()) / len(cp):.4f}")
+    bt, ct = base["metrics"]["tasks"], comp["metrics"]["tasks"]
+    for name in bt:
+        key = "acc_norm" if "acc_norm" in bt[name] else "acc"
+        flips = ct[name].get("flips_vs_reference")
+        t.add_row(f"{name} {key} (n={bt[name]['n']})", f"{bt[name][key]:.3f}",
+                  f"{ct[name][key]:.3f}" + (f" ({flips:.0%} flipped)" if flips is not None else ""))
+    f = comp["metrics"].get("fidelity")
+    if f:
+        t.add_row("mean KL vs base / top-1 agreement", "-", f"{f['kl_mean']:.4f} / {f['top1_agreement']:.1%}")
+    bm, cm = base["metrics"]["memory"], comp["metrics"]["memory"]
+    t.add_row("file size", f"{bm['file_bytes'] / 1e6:.1f} MB (fp32 safetensors)", f"{cm['file_bytes'] / 1e6:.1f} MB")
+    if "peak_rss_bytes" in bm:
+        t.add_row("peak RSS", f"{bm['peak_rss_bytes'] / 1e6:.0f} MB", f"{cm['peak_rss_bytes'] / 1e6:.0f} MB")
+    bl_, cl_ = base["metrics"]["latency"], comp["metrics"]["latency"]
+    t.add_row(f"prefill tokens/s (pp{bl_['prompt_tokens']})", f"{bl_['prefill_tps']['median']:.0f}",
+              f"{cl_['prefill_tps']['median']:.0f}")
+    t.add_row(f"decode tokens/s (tg{bl_['generated']})", f"{bl_['decode_tps']['median']:.1f}",
+              f"{cl_['decode_tps']['median']:.1f}")
+    console.print(t)
 
 
 def _is_artifact(path: Path) -> bool:

@@ -83,3 +83,71 @@ def perplexity(model, tokenizer, text: str, seqlen: int = 2048, max_windows: int
         windows=len(windows),
         seqlen=seqlen,
     )
+
+
+# --- any runtime ------------------------------------------------------------------------------
+
+
+def rolling_windows(n_tokens: int, seqlen: int, stride: int | None = None, max_windows: int | None = None):
+    """(start, stop, first_scored) per window: windows of ``seqlen`` tokens every ``stride``
+    tokens; each token is scored once, in the first window that predicts it with the most context
+    (the Hugging Face strided-perplexity recipe; stride = seqlen gives non-overlapping windows)."""
+    stride = seqlen if stride is None else stride
+    if not 0 < stride <= seqlen:
+        raise DataError(f"stride must be in 1..{seqlen} (the window length), got {stride}")
+    if n_tokens < seqlen:
+        raise DataError(f"the corpus has {n_tokens} tokens, shorter than one window of {seqlen}")
+    out, scored_to = [], 1  # token 0 is never predicted
+    start = 0
+    while start + seqlen <= n_tokens:
+        stop = start + seqlen
+        first = max(scored_to, start + 1)
+        out.append((start, stop, first))
+        scored_to = stop
+        if max_windows is not None and len(out) >= max_windows:
+            break
+        start += stride
+    return out
+
+
+def log_softmax_np(x):
+    import numpy as np
+
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def runtime_perplexity(runtime, encoder, text: str, seqlen: int = 512, stride: int | None = None,
+                       max_windows: int | None = None, progress=None, label: str = "perplexity",
+                       keep_logprobs: bool = False):
+    """Perplexity, bits per byte and a standard error of ``text`` in any runtime.
+
+    Returns (PerplexityResult, per-window list of (token ids, first scored index, log-probs or None)).
+    """
+    import numpy as np
+
+    from .tokens import covered_bytes
+
+    ids, ends = encoder.encode_with_bytes(text)
+    wins = rolling_windows(len(ids), seqlen, stride, max_windows)
+    nlls, total_bytes, kept = [], 0, []
+    for i, (start, stop, first) in enumerate(wins):
+        window = ids[start:stop]
+        lp = log_softmax_np(runtime.logits(window))
+        k = first - start  # first scored position within the window
+        targets = np.asarray(window[k:])
+        nll = -lp[np.arange(k - 1, len(window) - 1), targets]
+        nlls.append(nll)
+        total_bytes += covered_bytes(ends, first, stop)
+        kept.append((window, k, lp[k - 1 : len(window) - 1].astype(np.float32) if keep_logprobs else None))
+        if progress:
+            progress(label, i + 1, len(wins))
+    all_nll = np.concatenate(nlls)
+    mean = float(all_nll.mean())
+    stderr = float(all_nll.std(ddof=1) / math.sqrt(all_nll.size)) if all_nll.size > 1 else 0.0
+    result = PerplexityResult(perplexity=math.exp(mean), nll=mean, nll_stderr=stderr,
+                              perplexity_stderr=math.exp(mean) * stderr,
+                              bits_per_byte=float(all_nll.sum()) / math.log(2) / max(total_bytes, 1),
+                              tokens=int(all_nll.size), bytes=total_bytes, windows=len(wins), seqlen=seqlen)
+    return result, kept

@@ -36,7 +36,7 @@ from ..compress.artifact import MANIFEST, QUANT_FILE, Artifact
 from ..compress.quant import QuantSpec
 from ..errors import OutputExistsError, UnsupportedArchitectureError
 from ..fsutil import sha256_file
-from . import GGUFExportError, GGUFVerificationError
+from . import ExportError, GGUFExportError, GGUFVerificationError
 
 
 BLOCK = 32  # values per block along the input dimension, for every type written here
@@ -58,6 +58,10 @@ class GGUFArch:
     rope_dimension_count: bool = False
     # HF rope_scaling types this writer translates (others are refused).
     rope_scaling: tuple[str, ...] = ("default",)
+    # llama.cpp requires an output tensor even when HF ties it to the embedding (Phi-3).
+    output_required: bool = False
+    # Write {arch}.attention.sliding_window from config.sliding_window.
+    sliding_window: bool = False
 
 
 _LLAMA_PERMUTE = (("self_attn.q_proj", "num_attention_heads"), ("self_attn.k_proj", "num_key_value_heads"))
@@ -67,6 +71,8 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     "mistral": GGUFArch("mistral", "LLAMA", _LLAMA_PERMUTE, True, ("default", "linear")),
     "qwen2": GGUFArch("qwen2", "QWEN2", (), False, ("default",)),
     "qwen3": GGUFArch("qwen3", "QWEN3", (), False, ("default",)),
+    # Phi-3: fused qkv_proj/gate_up_proj are llama.cpp's attn_qkv/ffn_up as they are; NEOX rotary.
+    "phi3": GGUFArch("phi3", "PHI3", (), True, ("default",), output_required=True, sliding_window=True),
 }
 
 # Byte-level BPE pre-tokenizers, recognised by the structure of tokenizer.json's pre_tokenizer,
@@ -100,7 +106,17 @@ QTYPES: dict[str, QType] = {
     "q8_0": QType("q8_0", "Q8_0", "MOSTLY_Q8_0", 8, True),
     "q4_0": QType("q4_0", "Q4_0", "MOSTLY_Q4_0", 4, True),
     "q4_1": QType("q4_1", "Q4_1", "MOSTLY_Q4_1", 4, False),
+    # Written only by llama.cpp's quantizer (no artifact grid maps onto them).
+    "q5_0": QType("q5_0", "Q5_0", "MOSTLY_Q5_0"),
+    "q5_1": QType("q5_1", "Q5_1", "MOSTLY_Q5_1"),
+    "q4_k_s": QType("q4_k_s", "Q4_K", "MOSTLY_Q4_K_S"),
+    "q4_k_m": QType("q4_k_m", "Q4_K", "MOSTLY_Q4_K_M"),
+    "q5_k_m": QType("q5_k_m", "Q5_K", "MOSTLY_Q5_K_M"),
+    "q6_k": QType("q6_k", "Q6_K", "MOSTLY_Q6_K"),
+    "q3_k_m": QType("q3_k_m", "Q3_K", "MOSTLY_Q3_K_M"),
+    "q2_k": QType("q2_k", "Q2_K", "MOSTLY_Q2_K"),
 }
+MANIFEST_KEY = "slmedge.manifest"
 
 # Verification tolerances against torch logits of the same weights. llama.cpp multiplies
 # quantized weights with 8-bit-quantized activations (and f16 weights in f16), so only f32 is
@@ -186,27 +202,17 @@ class _Source:
 
 
 def _open_source(source) -> _Source:
-    from transformers import AutoConfig
+    from .source import open_export_source
 
-    path = Path(source)
-    artifact = None
-    layers = {}
-    if (path / MANIFEST).is_file():
-        artifact = Artifact.open(path)  # checks every checksum
-        layers = artifact.layers() if (path / QUANT_FILE).is_file() else {}
-    elif not (path / "config.json").is_file():
-        raise GGUFExportError(f"{path} is neither an slmedge artifact (no {MANIFEST}) nor a Hugging Face folder "
-                              "(no config.json)")
     try:
-        config = AutoConfig.from_pretrained(str(path))
-    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds
-        raise GGUFExportError(f"cannot read {path / 'config.json'}: {str(exc).splitlines()[0]}") from exc
-    model_type = getattr(config, "model_type", None)
-    if model_type not in GGUF_ARCHITECTURES:
+        base = open_export_source(source)
+    except ExportError as exc:
+        raise GGUFExportError(str(exc)) from exc
+    if base.model_type not in GGUF_ARCHITECTURES:
         raise UnsupportedArchitectureError(
-            f"GGUF export does not support architecture '{model_type}' yet; supported: "
+            f"GGUF export does not support architecture '{base.model_type}' yet; supported: "
             f"{', '.join(GGUF_ARCHITECTURES)}")
-    return _Source(path, artifact, config, GGUF_ARCHITECTURES[model_type], layers)
+    return _Source(base.path, base.artifact, base.config, GGUF_ARCHITECTURES[base.model_type], base.layers)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -290,7 +296,9 @@ def _add_hparams(writer, src: _Source, ftype) -> list:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if src.arch.rope_dimension_count:
-        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_dimension_count(int(head_dim * float(_hparam(c, "partial_rotary_factor", 1.0))))
+    if src.arch.sliding_window and _hparam(c, "sliding_window"):
+        writer.add_sliding_window(int(c.sliding_window))
     theta, scaling = _rope(c)
     writer.add_rope_freq_base(theta)
     extra = []
@@ -599,12 +607,27 @@ def _auto_qtype(layers: dict) -> str:
     return max(counts, key=counts.get)
 
 
+def _model_name(src: _Source) -> str:
+    """general.name: the source folder's name. llama.cpp keys Phi-3 tokenizer quirks on a name containing
+    "phi3"/"phi-3" and then requires </s>, <unk>, <s> and <|endoftext|> in the vocabulary (it fails to
+    load otherwise), so such a name is only written when the vocabulary has them."""
+    name = src.path.resolve().name
+    if any(k in name.lower() for k in ("phi3", "phi-3")):
+        from transformers import AutoTokenizer
+
+        vocab = AutoTokenizer.from_pretrained(str(src.path)).get_vocab()
+        if not all(t in vocab for t in ("</s>", "<unk>", "<s>", "<|endoftext|>")):
+            name = name.lower().replace("phi-3", "phi 3").replace("phi3", "phi 3")
+    return name
+
+
 def _tmp_name(out: Path, tag: str = "") -> Path:
     return out.with_name(f".slmedge-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}{tag}-{out.name}")
 
 
 def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, verify: bool = True, *,
-                overwrite: bool = False, probe: str | None = None, n_threads: int | None = None) -> dict:
+                overwrite: bool = False, probe: str | None = None, n_threads: int | None = None,
+                keep_f16_uncoded: bool = False) -> dict:
     """Write ``source`` (an slmedge artifact or a plain HF folder) as one GGUF file at ``out_path``.
 
     ``qtype``: ``auto`` (the type matching the artifact's codes, else f16), ``f32``, ``f16``,
@@ -641,9 +664,19 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
     requant, notes = [], []
     seen_layers = set()
     has_codes = any(r.codes is not None for r in src.layers.values())
-    for hf_name, w in _iter_weights(src.path):
-        if tied and hf_name == "lm_head.weight":
+    copies: list[tuple[str, np.ndarray]] = []  # a tied head llama.cpp needs as its own tensor
+
+    def weights():
+        yield from _iter_weights(src.path)
+        yield from copies
+
+    for hf_name, w in weights():
+        from_copy = hf_name.endswith("#tied")
+        hf_name = hf_name.removesuffix("#tied")
+        if tied and hf_name == "lm_head.weight" and not from_copy:
             continue
+        if tied and src.arch.output_required and hf_name == "model.embed_tokens.weight":
+            copies.append(("lm_head.weight#tied", w))
         name = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise GGUFExportError(f"tensor {hf_name} has no GGUF name for {src.arch.arch.lower()}; cannot export it")
@@ -682,10 +715,16 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
                 tensors.append((name, w.astype(np.float32), None))
                 info.update(type="F32", grid=res.spec.describe(), requantized_because=why)
                 requant.append(name)
-        elif has_codes:
+        elif has_codes and (keep_f16_uncoded or not target.max_bits):
             # Left unquantized by the recipe (embeddings, lm_head, skipped layers): kept at f16.
             tensors.append((name, w.astype(np.float16), None))
             info["type"] = "F16"
+        elif has_codes:
+            # Left unquantized by the recipe: llama.cpp's quantizer gives them the type it would give
+            # them in its own file of this type (token_embd/output often Q6_K), so sizes compare.
+            tensors.append((name, w.astype(np.float32), None))
+            info.update(type="F32", uncoded=True)
+            requant.append(name)
         else:
             tensors.append((name, w.astype(np.float32), None))
             info["type"] = "F32"
@@ -701,15 +740,31 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         warnings.warn(msg, stacklevel=2)
         notes.append(msg)
 
+    if any(r.mask is not None for r in src.layers.values()):
+        notes.append("pruned weights are written dense with their zeros: llama.cpp gains no speed (and no size) "
+                     "from unstructured sparsity")
+    coded_requant = [n for n in requant if report_tensors[n].get("grid")]
+    for name in requant:
+        report_tensors[name]["type"] = f"requantized by llama.cpp ({target.name})"
+    manifest = {
+        "format": "slmedge-gguf-export",
+        "source": str(src.path),
+        "source_kind": "artifact" if src.artifact is not None else "hf_dir",
+        "source_manifest_sha256": sha256_file(src.path / MANIFEST) if src.artifact is not None else None,
+        "recipe": (src.artifact.manifest.get("recipe") if src.artifact is not None else None),
+        "qtype": target.name,
+        "tensors": {n: {k: v for k, v in t.items() if k in ("type", "codes_kept", "grid", "sparsity", "requantized_because")}
+                    for n, t in report_tensors.items()},
+    }
     ftype = gguf.LlamaFileType[target.ftype]
     tmp = _tmp_name(out)
     stage = _tmp_name(out, "-stage") if requant else None
     try:
         writer = gguf.GGUFWriter(str(stage or tmp), gguf.MODEL_ARCH_NAMES[arch_enum])
-        name_meta = src.path.resolve().name
-        writer.add_name(name_meta)
+        writer.add_name(_model_name(src))
         extra = _add_hparams(writer, src, ftype if not requant else gguf.LlamaFileType.ALL_F32)
         tok_info = _add_tokenizer(writer, src)
+        writer.add_string(MANIFEST_KEY, json.dumps(manifest, sort_keys=True, default=str))
         for name, data in extra:
             tensors.append((name, data, None))
             report_tensors[name] = {"type": "F32", "shape": list(data.shape), "codes_kept": False}
@@ -724,7 +779,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
             _check_requantized(tmp, tensors, report_tensors)
         verification = None
         if verify:
-            kind = target.name if target.name in ("f32", "f16") else ("requantized" if requant else "kept")
+            kind = target.name if target.name in ("f32", "f16") else ("kept" if has_codes and not coded_requant else "requantized")
             verification = verify_against_torch(tmp, src, TOLERANCES[kind], probe, n_threads,
                                                 tokenizer_copied=tok_info["source"].startswith("gguf:"))
         os.replace(tmp, out)
@@ -740,7 +795,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         "architecture": src.arch.arch.lower(),
         "model_type": src.arch.model_type,
         "qtype": target.name,
-        "exact": not requant and src.artifact is not None and bool(kept),
+        "exact": not coded_requant and src.artifact is not None and bool(kept),
         "codes_kept": len(kept),
         "requantized_by_llamacpp": len(requant),
         "tied_embeddings": tied,

@@ -1,0 +1,152 @@
+"""slmedge evaluate: perplexity, fidelity, tasks, memory and latency on torch, onnxruntime or llama.cpp."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .common import console, errors_to_exit, progress_bar
+
+
+def _split(value: Optional[str]) -> Optional[tuple[str, ...]]:
+    if value is None:
+        return None
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def _mb(n) -> str:
+    return "-" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def print_results(res: dict) -> None:
+    m = res["metrics"]
+    head = f"{res['model']} · {res['runtime']} · {res['threads']} threads · target {res['target']}"
+    if "perplexity" in m:
+        t = Table("corpus", "perplexity", "bits/byte", "tokens", title=f"perplexity — {head}")
+        for name, r in m["perplexity"].items():
+            t.add_row(name, f"{r['perplexity']:.3f} ± {r['perplexity_stderr']:.3f}", f"{r['bits_per_byte']:.4f}",
+                      str(r["tokens"]))
+        console.print(t)
+    if "fidelity" in m:
+        f = m["fidelity"]
+        t = Table("statistic", "value", title=f"fidelity vs {f['reference']} ({f['reference_runtime']})")
+        t.add_row("mean KL", f"{f['kl_mean']:.5f} ± {f['kl_mean_stderr']:.5f}")
+        t.add_row("median KL", f"{f['kl_median']:.5f}")
+        t.add_row("99th pct KL", f"{f['kl_p99']:.5f}")
+        t.add_row("top-1 agreement", f"{f['top1_agreement']:.2%}")
+        t.add_row("RMS Δp", f"{f['rms_delta_p']:.3%}")
+        if "hidden_snr_db" in f:
+            t.add_row("hidden-state SNR", f"{f['hidden_snr_db']:.2f} dB")
+        t.add_row("tokens", str(f["tokens"]) + (" (reference from cache)" if f["reference_cached"] else ""))
+        console.print(t)
+    if "tasks" in m:
+        t = Table("task", "n", "acc", "acc_norm", "flips vs ref", title="zero-shot tasks")
+        for name, r in m["tasks"].items():
+            norm = f"{r['acc_norm']:.4f} ± {r['acc_norm_stderr']:.4f}" if "acc_norm" in r else "-"
+            flips = f"{r['flips_vs_reference']:.2%}" if "flips_vs_reference" in r else "-"
+            t.add_row(name, str(r["n"]), f"{r['acc']:.4f} ± {r['acc_stderr']:.4f}", norm, flips)
+        console.print(t)
+    if "memory" in m:
+        r = m["memory"]
+        t = Table("memory", "value")
+        t.add_row("file size", _mb(r["file_bytes"]))
+        if r.get("bits_per_weight"):
+            t.add_row("bits per weight", f"{r['bits_per_weight']:.3f}")
+        t.add_row(f"KV cache at {r['context']} tokens", _mb(r["kv_cache_bytes"]))
+        if "peak_rss_bytes" in r:
+            t.add_row("peak RSS (child process)", _mb(r["peak_rss_bytes"]))
+        console.print(t)
+    if "latency" in m:
+        r = m["latency"]
+        t = Table("latency", "median", "min", "max", title=f"pp{r['prompt_tokens']} / tg{r['generated']}, "
+                  f"{r['repeats']} runs after warm-up")
+        for key, label, fmt in (("ttft_s", "time to first token (s)", "{:.3f}"),
+                                ("prefill_tps", "prefill tokens/s", "{:.1f}"), ("decode_tps", "decode tokens/s", "{:.1f}")):
+            s = r[key]
+            t.add_row(label, fmt.format(s["median"]), fmt.format(s["min"]), fmt.format(s["max"]))
+        console.print(t)
+    for note in res.get("notes", []):
+        console.print(f"note: {note}")
+
+
+def evaluate_command(
+    source: Optional[str] = typer.Argument(None, help="Artifact, model source, .gguf file or ONNX export (default: smollm2-135m)."),
+    metrics: Optional[str] = typer.Option(None, "--metrics", help="Comma list of perplexity,fidelity,tasks,memory,latency (default: all)."),
+    runtime: Optional[str] = typer.Option(None, "--runtime", help="torch, onnxruntime or llama.cpp (default: follows from the file)."),
+    langs: str = typer.Option("en,ar,hi,zh,th,de,es", "--langs", help="NTREX-128 languages for perplexity (and XCOPA tasks)."),
+    no_wikitext: bool = typer.Option(False, "--no-wikitext", help="Skip WikiText-2 in perplexity."),
+    corpus: Optional[list[str]] = typer.Option(None, "--corpus", help="A plain text file to score (repeatable)."),
+    seqlen: int = typer.Option(512, "--seqlen", help="Perplexity window length in tokens."),
+    stride: Optional[int] = typer.Option(None, "--stride", help="Tokens between window starts (default: the window length)."),
+    ppl_windows: Optional[int] = typer.Option(4, "--ppl-windows", help="Windows per corpus (0: all)."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="Comma list of tasks or .jsonl files (default: the eight English tasks + XCOPA in --langs)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Items per task (default: all)."),
+    reference: Optional[str] = typer.Option(None, "--reference", help="Fidelity reference (default: the artifact's base model)."),
+    reference_runtime: Optional[str] = typer.Option(None, "--reference-runtime", help="Runtime of the reference (default: follows from it)."),
+    pp: int = typer.Option(512, "--pp", help="Latency: prompt tokens."),
+    tg: int = typer.Option(128, "--tg", help="Latency: generated tokens."),
+    repeats: int = typer.Option(3, "--repeats", help="Latency: timed runs after one warm-up."),
+    context: int = typer.Option(2048, "--context", help="Context length for the KV-cache size and llama.cpp's n_ctx."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads (default: all cores)."),
+    target: str = typer.Option("cpu", "--target", help="Where to run (this machine: cpu)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every number to this JSON file."),
+    results_db: Optional[Path] = typer.Option(None, "--results-db", envvar="SLMEDGE_RESULTS_DB", help="SQLite results store (default: user data dir)."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help="Data folder (default ../shared/data)."),
+):
+    """Measure a model in its runtime: perplexity, fidelity, zero-shot tasks, memory, latency.
+
+    \b
+    Examples:
+      slmedge evaluate out/awq --metrics perplexity,fidelity --langs en,th
+      slmedge evaluate model.gguf --metrics perplexity --corpus my.txt --json out.json
+      slmedge evaluate onnx_dir --tasks arc_easy,xcopa_th --limit 200
+      slmedge evaluate out/gptq --runtime llama.cpp --metrics latency
+    """
+    from ..evaluate.api import METRICS, EvalSettings, Evaluation
+    from ..evaluate.store import ResultsStore
+
+    with errors_to_exit():
+        if target != "cpu":
+            from ..errors import ConfigError
+
+            raise ConfigError(f"unknown target '{target}'; this slmedge evaluates on 'cpu' (this machine)")
+        settings = EvalSettings(
+            metrics=_split(metrics) or METRICS, langs=_split(langs) or (), wikitext=not no_wikitext,
+            corpora=tuple(corpus or ()), seqlen=seqlen, stride=stride, ppl_windows=ppl_windows or None,
+            tasks=_split(tasks), limit=limit, reference=reference, reference_runtime=reference_runtime, pp=pp, tg=tg,
+            repeats=repeats, context=context, threads=threads, runtime=runtime, target=target,
+            data_dir=str(data_dir) if data_dir else None)
+        settings.validate()
+        store = ResultsStore(results_db)
+        try:
+            with progress_bar() as progress:
+                ev = Evaluation(source, settings, store, json_out, progress)
+                try:
+                    res = ev.run()
+                finally:
+                    ev.close()
+        finally:
+            store.close()
+        print_results(res)
+        console.print(f"results: run {res.get('run_id')} in {store.path}" + (f", JSON {json_out}" if json_out else ""))
+
+
+def lm_eval_command(ctx: typer.Context):
+    """lm-evaluation-harness's command line with slmedge's runtimes registered as --model slmedge.
+
+    \b
+    Examples:
+      slmedge lm-eval --model slmedge --model_args model=out/awq.gguf --tasks arc_easy --limit 100
+      slmedge lm-eval --model slmedge --model_args model=onnx_dir,threads=2 --tasks hellaswag
+    """
+    import sys
+
+    with errors_to_exit():
+        from .. import lm_eval_model  # noqa: F401 - registers the model class (or says how to install lm_eval)
+        from lm_eval.__main__ import cli_evaluate
+
+        sys.argv = ["lm_eval", *ctx.args]
+        cli_evaluate()

@@ -1,0 +1,154 @@
+"""slmedge export / slmedge inspect."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .common import console, err_console, errors_to_exit
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _print_export(report: dict, fmt: str) -> None:
+    table = Table(title=f"slmedge export: {fmt} {report.get('qtype') or report.get('type')}", show_header=False)
+    table.add_row("output", str(report["path"]))
+    table.add_row("source", f"{report['source']} ({report['source_kind']})")
+    table.add_row("size", _fmt_bytes(report.get("bytes")))
+    if fmt == "gguf":
+        types: dict[str, int] = {}
+        for t in report["tensors"].values():
+            types[t["type"]] = types.get(t["type"], 0) + 1
+        table.add_row("tensors by type", ", ".join(f"{k} x{v}" for k, v in sorted(types.items())))
+        table.add_row("codes kept exactly", f"{report['codes_kept']} tensors; {report['requantized_by_llamacpp']} "
+                      "written by llama.cpp's quantizer")
+        table.add_row("tokenizer", f"{report['tokenizer']['model']} / pre {report['tokenizer'].get('pre')}")
+    else:
+        table.add_row("ops", ", ".join(f"{k} x{v}" for k, v in report["ops"].items()
+                                        if k in ("MatMul", "MatMulNBits", "MatMulInteger", "Gather", "Cast")))
+        table.add_row("codes kept exactly", f"{report['codes_kept']} linears; "
+                      f"{report['requantized_by_onnxruntime']} by onnxruntime's quantizer")
+    v = report.get("verification")
+    if v:
+        line = (f"top-1 {v['top1_agreement']:.1%}, mean KL {v['mean_kl']:.2e}, max |Δlogit| "
+                f"{v['max_abs_logit_diff']:.3g} over {v['positions']} positions")
+        if "kv_cache_max_abs_diff" in v:
+            line += f"; KV-cache path max |Δ| {v['kv_cache_max_abs_diff']:.2g}"
+        table.add_row("verified against torch", line)
+    else:
+        table.add_row("verified against torch", "skipped (--no-verify)")
+    for note in report.get("notes", []):
+        table.add_row("note", note)
+    table.add_row("time", f"{report['seconds']:.1f} s")
+    console.print(table)
+
+
+def export_command(
+    source: Optional[str] = typer.Argument(None, help="An slmedge artifact, HF folder, .gguf file, Hub id or embedded name (default smollm2-135m)."),
+    fmt: str = typer.Option("gguf", "--format", "-f", help="gguf (llama.cpp) or onnx (onnxruntime)."),
+    qtype: str = typer.Option("auto", "--type", "-t", help="GGUF: auto, f32, f16, q8_0, q4_0, q4_1 (codes kept), q5_0, q5_1, q2_k, q3_k_m, q4_k_s, q4_k_m, q5_k_m, q6_k (llama.cpp's quantizer). ONNX: auto, fp32, fp16, int4, int8, int8-dynamic. auto: the type that keeps the artifact's codes."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="GGUF file or ONNX directory (default slmedge-out/<source>-<type>)."),
+    exact: bool = typer.Option(False, "--exact", help="Fail instead of re-quantizing weights whose codes the type cannot hold."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Run the file in its runtime on a probe and compare with torch."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for quantizing and verifying (default: all cores)."),
+    block_size: int = typer.Option(32, "--block-size", help="ONNX: onnxruntime quantizer's block for weights without codes."),
+    accuracy_level: int = typer.Option(4, "--accuracy-level", help="ONNX MatMulNBits accuracy_level: 4 (default) multiplies with int8-quantized activations, as llama.cpp does, several times faster on CPU; 0 computes in fp32 (exact, slow for the 8-bit head)."),
+    keep_fp32_head: bool = typer.Option(False, "--keep-fp32-head", help="ONNX int4/int8: leave lm_head and the embedding in fp32 (default: 8-bit head, fp16 embedding)."),
+    keep_f16_uncoded: bool = typer.Option(False, "--keep-f16-uncoded", help="GGUF with codes: keep tensors the recipe left alone (embedding, head) at f16 instead of llama.cpp's choice for the type."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full report (per-tensor types) as JSON."),
+):
+    """Export a model or artifact to GGUF (llama.cpp) or ONNX (onnxruntime), checked against torch.
+
+    \b
+    Examples:
+      slmedge export out/gptq --format gguf --type q4_0 -o model.gguf     # GPTQ codes as Q4_0 blocks
+      slmedge export out/awq --format onnx --type int4 -o onnx_dir/      # AWQ codes as MatMulNBits
+      slmedge export smollm2-135m --format gguf --type q4_k_m -o base-q4km.gguf
+      slmedge export out/gptq --format gguf --type q4_1 --exact -o m.gguf
+    """
+    from ..export.api import export
+
+    with errors_to_exit():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = export(source, fmt, qtype, output, exact=exact, verify=verify, overwrite=overwrite,
+                            n_threads=threads, block_size=block_size, accuracy_level=accuracy_level,
+                            keep_fp32_head=keep_fp32_head, keep_f16_uncoded=keep_f16_uncoded, revision=revision)
+        for w in caught:
+            if issubclass(w.category, UserWarning) and "slmedge" in str(getattr(w, "filename", "")):
+                err_console.print(f"[yellow]warning:[/] {w.message}", highlight=False, soft_wrap=True)
+        if as_json:
+            console.print_json(json.dumps(report, default=str))
+        else:
+            _print_export(report, fmt.lower())
+
+
+def inspect_command(
+    path: Path = typer.Argument(..., help="A .gguf file, an .onnx file or ONNX export directory, or an slmedge artifact."),
+    as_json: bool = typer.Option(False, "--json", help="Print everything as JSON."),
+    tensors: bool = typer.Option(False, "--tensors", help="With a manifest: list every tensor's type and whether its codes were kept."),
+):
+    """Print what is inside a GGUF file, an ONNX export or an artifact.
+
+    \b
+    Examples:
+      slmedge inspect model.gguf
+      slmedge inspect onnx_dir/ --json
+    """
+    from ..export.inspect import inspect_path
+
+    with errors_to_exit():
+        info = inspect_path(path)
+        if as_json:
+            console.print_json(json.dumps(info, default=str))
+            return
+        table = Table(title=f"{info['path']} ({info['format']})", show_header=False)
+        table.add_row("architecture", str(info.get("architecture")))
+        if info["format"] == "slmedge-artifact":
+            table.add_row("recipe", json.dumps(info["recipe"]))
+            table.add_row("compressed linears", str(info["compressed_linears"]))
+            table.add_row("files", ", ".join(f"{n} {_fmt_bytes(b)}" for n, b in info["files"].items()))
+            console.print(table)
+            return
+        table.add_row("size", _fmt_bytes(info["file_bytes"]) + (" (with external data)" if info.get("external_data") else ""))
+        table.add_row("weights", f"{info['params']:,} parameters, {info['bits_per_weight']} bits per weight")
+        if info["format"] == "gguf":
+            tok = info["tokenizer"]
+            table.add_row("tokenizer", f"{tok['model']} / pre {tok['pre']}, {tok['vocab']} tokens"
+                          + (", chat template" if tok["chat_template"] else ""))
+            hp = info["hparams"]
+            table.add_row("hparams", ", ".join(f"{k}={v}" for k, v in hp.items() if not isinstance(v, list))[:300])
+        else:
+            table.add_row("KV cache", f"yes, {info['layers']} layers" if info["kv_cache"] else "no")
+            table.add_row("ops", ", ".join(f"{k} x{v}" for k, v in info["ops"].items()))
+        m = info.get("manifest")
+        if m:
+            ts = m.get("tensors") or m.get("layers") or {}
+            kept = sum(1 for t in ts.values() if t.get("codes_kept"))
+            table.add_row("slmedge manifest", f"source {m.get('source')} ({m.get('source_kind')}), type "
+                          f"{m.get('qtype') or m.get('type')}, codes kept exactly in {kept} of {len(ts)} tensors")
+        console.print(table)
+        types = Table("type", "tensors", "parameters", "size", "bits/weight", title="tensors by type")
+        for kind, e in info["by_type"].items():
+            types.add_row(kind, str(e["tensors"]), f"{e['params']:,}", _fmt_bytes(e["bytes"]), str(e["bits_per_weight"]))
+        console.print(types)
+        if tensors and m:
+            t = Table("tensor", "type", "codes kept", "grid")
+            for name, e in (m.get("tensors") or m.get("layers") or {}).items():
+                t.add_row(name, str(e.get("type")), "yes" if e.get("codes_kept") else "no", str(e.get("grid") or ""))
+            console.print(t)

@@ -1,0 +1,287 @@
+"""`slmedge evaluate`: every metric on one runtime interface, results to JSON and the SQLite store."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import ConfigError, DataError
+from ..fsutil import write_json_atomic
+from .corpora import load_corpus, ntrex_languages
+
+METRICS = ("perplexity", "fidelity", "tasks", "memory", "latency")
+DEFAULT_LANGS = ("en", "ar", "hi", "zh", "th", "de", "es")  # the seed study's seven
+
+
+@dataclass
+class EvalSettings:
+    metrics: tuple[str, ...] = METRICS
+    langs: tuple[str, ...] = DEFAULT_LANGS
+    wikitext: bool = True
+    corpora: tuple[str, ...] = ()  # user text files
+    seqlen: int = 512
+    stride: int | None = None
+    ppl_windows: int | None = 4
+    tasks: tuple[str, ...] | None = None  # None: the eight English tasks + XCOPA in the chosen languages
+    limit: int | None = None
+    reference: str | None = None  # None: the artifact's base model
+    reference_runtime: str | None = None
+    fidelity_windows: int = 2
+    pp: int = 512
+    tg: int = 128
+    repeats: int = 3
+    context: int = 2048
+    threads: int | None = None
+    runtime: str | None = None
+    target: str = "cpu"
+    data_dir: str | None = None
+    memory_child: bool = True
+
+    def validate(self) -> "EvalSettings":
+        unknown = [m for m in self.metrics if m not in METRICS]
+        if unknown:
+            raise ConfigError(f"unknown metric '{unknown[0]}'; choose from {', '.join(METRICS)}")
+        if self.seqlen < 2:
+            raise ConfigError(f"the window length must be at least 2 tokens, got {self.seqlen}")
+        if self.stride is not None and not 0 < self.stride <= self.seqlen:
+            raise ConfigError(f"stride must be in 1..{self.seqlen} (the window length), got {self.stride}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"--limit must be positive, got {self.limit}")
+        if "perplexity" in self.metrics or "tasks" in self.metrics:
+            known = set(ntrex_languages(self.data_dir)) if self.langs else set()
+            bad = [lang for lang in self.langs if lang not in known]
+            if bad:
+                raise DataError(f"unknown language '{bad[0]}': NTREX-128 here has {', '.join(sorted(known))}")
+        if self.tasks:
+            from .tasks import task_file
+
+            for t in self.tasks:
+                task_file(t, self.data_dir)
+        return self
+
+    def task_list(self) -> list[str]:
+        if self.tasks is not None:
+            return list(self.tasks)
+        from .tasks import ENGLISH_TASKS, XCOPA_LANGS
+
+        return list(ENGLISH_TASKS) + [f"xcopa_{lang}" for lang in self.langs if lang in XCOPA_LANGS]
+
+
+def _corpora(settings: EvalSettings) -> dict[str, str]:
+    out = {}
+    if settings.wikitext:
+        out["wikitext2"] = load_corpus("wikitext2", settings.data_dir)
+    for lang in settings.langs:
+        out[lang] = load_corpus(f"ntrex128:{lang}", settings.data_dir)
+    for f in settings.corpora:
+        out[Path(f).name] = load_corpus(f, settings.data_dir)
+    return out
+
+
+def _model_config(sub) -> dict:
+    """num_hidden_layers / num_key_value_heads / head_dim for the KV-cache size."""
+    rt = sub.runtime
+    if rt.name == "torch":
+        return rt.model.config.to_dict()
+    if rt.name == "onnxruntime":
+        f = rt.path.parent / "config.json"
+        return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+    md = rt.metadata
+    arch = md.get("general.architecture", "")
+
+    def get(key):
+        value = md.get(f"{arch}.{key}")
+        return int(value) if value is not None else None
+
+    return {"num_hidden_layers": get("block_count"), "num_attention_heads": get("attention.head_count"),
+            "num_key_value_heads": get("attention.head_count_kv"), "head_dim": get("attention.key_length"),
+            "hidden_size": get("embedding_length")}
+
+
+class Evaluation:
+    """One evaluation run: results accumulate in ``self.results`` and go to the store and JSON
+    as each metric finishes."""
+
+    def __init__(self, spec: str | None, settings: EvalSettings, store=None, json_path: Path | None = None,
+                 progress=None, subject=None):
+        from ..compress.artifact import library_versions
+        from .subject import open_subject
+
+        self.settings = settings.validate()
+        self.progress = progress
+        self.json_path = Path(json_path) if json_path else None
+        n_ctx = max(settings.context, settings.seqlen, settings.pp + settings.tg + 8)
+        self.sub = subject or open_subject(spec, settings.runtime, settings.threads, n_ctx=n_ctx)
+        self.store = store
+        rt = self.sub.runtime
+        self.results = {
+            "model": self.sub.label, "spec": self.sub.spec, "identity": self.sub.identity, "runtime": rt.name,
+            "threads": rt.threads, "target": settings.target, "emulated": False, "versions": library_versions(),
+            "settings": asdict(settings), "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "metrics": {}, "notes": [],
+        }
+        self.run_id = None
+        if store is not None:
+            self.run_id = store.start_run(self.sub.label, self.sub.identity.get("sha256"), rt.name, rt.threads,
+                                          settings.target, self.results["versions"], asdict(settings))
+            self.results["run_id"] = self.run_id
+        self._task_scores: dict[str, list] = {}
+
+    # --- bookkeeping --------------------------------------------------------------------------
+
+    def _row(self, metric, value, subset="", stderr=None, unit=None, extra=None):
+        if self.store is not None:
+            self.store.add(self.run_id, metric, value, subset, stderr, unit, extra)
+
+    def _save(self):
+        if self.json_path is not None:
+            write_json_atomic(self.json_path, self.results)
+
+    # --- metrics ------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        order = [m for m in METRICS if m in self.settings.metrics]
+        try:
+            for metric in order:
+                getattr(self, f"_{metric}")()
+                self._save()
+        finally:
+            self.results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            self._save()
+        return self.results
+
+    def _perplexity(self):
+        from .perplexity import runtime_perplexity
+
+        s = self.settings
+        out = self.results["metrics"].setdefault("perplexity", {})
+        for name, text in _corpora(s).items():
+            res, _ = runtime_perplexity(self.sub.runtime, self.sub.encoder, text, s.seqlen, s.stride, s.ppl_windows,
+                                        self.progress, f"perplexity {name}")
+            out[name] = res.to_dict()
+            self._row("perplexity", res.perplexity, name, res.perplexity_stderr, "ppl",
+                      {"tokens": res.tokens, "windows": res.windows, "seqlen": res.seqlen})
+            self._row("bits_per_byte", res.bits_per_byte, name, None, "bits/byte", {"bytes": res.bytes})
+            self._save()
+
+    def _reference(self):
+        from .subject import open_subject
+
+        spec = self.settings.reference or self.sub.base_spec
+        if spec is None:
+            return None
+        if getattr(self, "_ref", None) is None:
+            self._ref = open_subject(spec, self.settings.reference_runtime, self.settings.threads,
+                                     n_ctx=max(self.settings.context, self.settings.seqlen))
+        return self._ref
+
+    def _fidelity(self):
+        from .fidelity import fidelity, identity_key
+
+        ref = self._reference()
+        if ref is None:
+            self.results["notes"].append("fidelity skipped: no reference (the model is not an artifact; pass --reference)")
+            return
+        text = load_corpus("wikitext2", self.settings.data_dir)
+        stats = fidelity((self.sub.runtime, self.sub.encoder), (ref.runtime, ref.encoder), text, self.settings.seqlen,
+                         self.settings.fidelity_windows, identity_key(ref.identity, ref.runtime.name), self.progress)
+        stats["reference"] = ref.label
+        stats["reference_runtime"] = ref.runtime.name
+        self.results["metrics"]["fidelity"] = stats
+        for key, unit in (("kl_mean", "nats"), ("kl_median", "nats"), ("kl_p99", "nats"), ("top1_agreement", "ratio"),
+                          ("rms_delta_p", "prob"), ("hidden_snr_db", "dB")):
+            if key in stats:
+                self._row(key, stats[key], "wikitext2", stats.get("kl_mean_stderr") if key == "kl_mean" else None, unit,
+                          {"reference": ref.label})
+
+    def _tasks(self):
+        from .fidelity import task_flips
+        from .tasks import run_task
+
+        out = self.results["metrics"].setdefault("tasks", {})
+        ref = self._reference() if "fidelity" in self.settings.metrics else None
+        max_len = self.settings.context
+        for name in self.settings.task_list():
+            summary, scores = run_task(self.sub.runtime, self.sub.encoder, name, self.settings.data_dir,
+                                       self.settings.limit, max_len, self.progress)
+            if ref is not None:
+                ref_scores = self._reference_task_scores(ref, name, max_len)
+                summary["flips_vs_reference"] = task_flips(scores, ref_scores)
+            out[name] = summary
+            self._row("acc", summary["acc"], name, summary["acc_stderr"], "ratio", {"n": summary["n"]})
+            if "acc_norm" in summary:
+                self._row("acc_norm", summary["acc_norm"], name, summary["acc_norm_stderr"], "ratio", {"n": summary["n"]})
+            if "flips_vs_reference" in summary:
+                self._row("task_flips", summary["flips_vs_reference"], name, None, "ratio", {"reference": ref.label})
+            self._save()
+
+    def _reference_task_scores(self, ref, name, max_len):
+        """The reference's predictions, cached on disk (per reference identity, task and limit)."""
+        import hashlib
+
+        from ..paths import cache_dir
+        from .tasks import ItemScore, run_task
+
+        key = hashlib.sha256(json.dumps([ref.identity.get("sha256"), ref.runtime.name, name, self.settings.limit,
+                                         max_len], default=str).encode()).hexdigest()[:24]
+        path = cache_dir() / "reference" / f"task-{key}.json"
+        if path.is_file():
+            try:
+                return [ItemScore(**d) for d in json.loads(path.read_text())]
+            except (ValueError, TypeError):
+                pass
+        _, scores = run_task(ref.runtime, ref.encoder, name, self.settings.data_dir, self.settings.limit, max_len,
+                             self.progress)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, [asdict(s) for s in scores])
+        return scores
+
+    def _memory(self):
+        from .system import kv_cache_bytes, path_bytes, peak_rss_child
+
+        sub, s = self.sub, self.settings
+        size = path_bytes(sub.file)
+        config = _model_config(sub)
+        kv_bytes_per_value = 2 if sub.runtime.name == "llama.cpp" else 4
+        out = {"file_bytes": size, "params": sub.params,
+               "bits_per_weight": (8 * size / sub.params) if size and sub.params else None,
+               "kv_cache_bytes": kv_cache_bytes(config, s.context, kv_bytes_per_value), "context": s.context}
+        if s.memory_child:
+            spec = str(sub.file) if sub.runtime.name != "torch" else sub.spec
+            probe = peak_rss_child(spec, sub.runtime.name, sub.runtime.threads)
+            out["peak_rss_bytes"] = probe["peak_rss_bytes"]
+        self.results["metrics"]["memory"] = out
+        self._row("file_bytes", size, "", None, "bytes")
+        self._row("bits_per_weight", out["bits_per_weight"], "", None, "bits")
+        self._row("kv_cache_bytes", out["kv_cache_bytes"], f"ctx{s.context}", None, "bytes")
+        if "peak_rss_bytes" in out:
+            self._row("peak_rss_bytes", out["peak_rss_bytes"], "", None, "bytes")
+
+    def _latency(self):
+        from .system import latency
+
+        s = self.settings
+        ids = self.sub.encoder.encode(load_corpus("wikitext2", s.data_dir)[:20000])
+        if len(ids) < s.pp:
+            raise DataError(f"WikiText-2 gave {len(ids)} tokens, fewer than the {s.pp}-token prompt")
+        lat = latency(self.sub.runtime, ids[: s.pp], s.tg, s.repeats)
+        self.results["metrics"]["latency"] = lat
+        subset = f"pp{s.pp}-tg{s.tg}"
+        self._row("ttft_s", lat["ttft_s"]["median"], subset, None, "s", lat["ttft_s"])
+        self._row("prefill_tps", lat["prefill_tps"]["median"], subset, None, "tokens/s", lat["prefill_tps"])
+        self._row("decode_tps", lat["decode_tps"]["median"], subset, None, "tokens/s", lat["decode_tps"])
+
+    def close(self):
+        self.sub.close()
+        if getattr(self, "_ref", None) is not None:
+            self._ref.close()
+
+
+def evaluate(spec: str | None, settings: EvalSettings | None = None, store=None, json_path=None, progress=None) -> dict:
+    ev = Evaluation(spec, settings or EvalSettings(), store, json_path, progress)
+    try:
+        return ev.run()
+    finally:
+        ev.close()

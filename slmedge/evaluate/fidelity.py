@@ -1,0 +1,130 @@
+"""Fidelity of a model to a reference: the statistics ``llama-perplexity --kl-divergence`` prints.
+
+On the same token windows: KL(reference || candidate) per position (mean, median, 99th
+percentile), top-1 agreement, RMS of Δp of the true token, and the SNR in dB of the final hidden
+states where both runtimes expose them (torch). Reference log-probabilities are computed once
+and cached (fp32, keyed by the reference's identity and the token ids), so comparing many
+artifacts against one base does not recompute it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+
+import numpy as np
+
+from ..errors import SlmedgeError
+from ..paths import cache_dir
+from .perplexity import log_softmax_np, rolling_windows
+
+PROBE = "The quick brown fox jumps over the lazy dog. Zürich, 2024: naïve café — 東京 and भारत."
+
+
+class TokenizerMismatchError(SlmedgeError):
+    """The reference tokenizes text differently, so position-wise comparisons are meaningless."""
+
+
+def check_same_tokenizer(candidate_encoder, reference_encoder, text: str) -> None:
+    sample = PROBE + " " + text[:2000]
+    a, b = candidate_encoder.encode(sample), reference_encoder.encode(sample)
+    if a != b:
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        raise TokenizerMismatchError(
+            f"the reference tokenizes text differently from the model (first difference at token {first}); "
+            "fidelity needs the same tokenizer: choose a --reference of the same model family")
+
+
+def _cache_path(reference_id: str, windows: list[list[int]]) -> os.PathLike:
+    h = hashlib.sha256(reference_id.encode())
+    for w in windows:
+        h.update(np.asarray(w, dtype=np.int64).tobytes())
+    root = cache_dir() / "reference"
+    root.mkdir(parents=True, exist_ok=True)
+    return root / f"{h.hexdigest()[:24]}.npz"
+
+
+def reference_outputs(runtime, windows: list[list[int]], reference_id: str, with_hidden: bool, progress=None):
+    """Per window (log-probs fp32 (T-1, V), final hidden states or None); cached on disk."""
+    path = _cache_path(reference_id + ("|hidden" if with_hidden else ""), windows)
+    if path.is_file():
+        try:
+            with np.load(path) as data:
+                lps = [data[f"lp{i}"] for i in range(len(windows))]
+                hid = [data[f"h{i}"] if f"h{i}" in data else None for i in range(len(windows))]
+            return lps, hid, True
+        except (OSError, ValueError, KeyError):
+            path.unlink(missing_ok=True)
+    lps, hid = [], []
+    for i, w in enumerate(windows):
+        lps.append(log_softmax_np(runtime.logits(w))[:-1].astype(np.float32))
+        hid.append(runtime.hidden_states(w) if with_hidden else None)
+        if progress:
+            progress("reference", i + 1, len(windows))
+    arrays = {f"lp{i}": lp for i, lp in enumerate(lps)}
+    arrays.update({f"h{i}": h.astype(np.float32) for i, h in enumerate(hid) if h is not None})
+    tmp = path.with_name(f".{path.stem}-{os.getpid()}.npz")
+    try:
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    except OSError:  # a cache that cannot be written only costs time later
+        tmp.unlink(missing_ok=True)
+    return lps, hid, False
+
+
+def fidelity(candidate, reference, text: str, seqlen: int = 512, max_windows: int = 2, reference_id: str = "",
+             progress=None) -> dict:
+    """``candidate``/``reference``: (runtime, encoder) pairs. Windows of ``text`` tokens."""
+    cand_rt, cand_enc = candidate
+    ref_rt, ref_enc = reference
+    check_same_tokenizer(cand_enc, ref_enc, text)
+    ids = cand_enc.encode(text)
+    windows = [ids[a:b] for a, b, _ in rolling_windows(len(ids), seqlen, None, max_windows)]
+    with_hidden = cand_rt.hidden_states([1, 2]) is not None and ref_rt.hidden_states([1, 2]) is not None
+    ref_lps, ref_hid, cached = reference_outputs(ref_rt, windows, reference_id or ref_rt.name, with_hidden, progress)
+    kls, top1, dp2 = [], [], []
+    sig = noise = 0.0
+    for i, w in enumerate(windows):
+        lq = log_softmax_np(cand_rt.logits(w))[:-1]
+        lp = ref_lps[i].astype(np.float64)
+        if lp.shape[1] != lq.shape[1]:
+            n = min(lp.shape[1], lq.shape[1])  # padded vocabularies: compare the shared part
+            lp, lq = lp[:, :n], lq[:, :n]
+        p = np.exp(lp)
+        kls.append((p * (lp - lq)).sum(-1))
+        top1.append(lp.argmax(-1) == lq.argmax(-1))
+        t = np.asarray(w[1:])
+        rows = np.arange(len(t))
+        dp2.append((np.exp(lq[rows, t]) - p[rows, t]) ** 2)
+        if with_hidden:
+            h = cand_rt.hidden_states(w)
+            sig += float((ref_hid[i].astype(np.float64) ** 2).sum())
+            noise += float(((ref_hid[i].astype(np.float64) - h) ** 2).sum())
+        if progress:
+            progress("fidelity", i + 1, len(windows))
+    kl = np.maximum(np.concatenate(kls), 0.0)
+    agree = np.concatenate(top1)
+    out = {
+        "kl_mean": float(kl.mean()), "kl_mean_stderr": float(kl.std(ddof=1) / math.sqrt(kl.size)) if kl.size > 1 else 0.0,
+        "kl_median": float(np.median(kl)), "kl_p99": float(np.percentile(kl, 99)), "kl_max": float(kl.max()),
+        "top1_agreement": float(agree.mean()), "rms_delta_p": float(math.sqrt(np.concatenate(dp2).mean())),
+        "tokens": int(kl.size), "windows": len(windows), "seqlen": seqlen, "reference_cached": cached,
+    }
+    if with_hidden:
+        out["hidden_snr_db"] = float(10 * math.log10(sig / noise)) if noise > 0 else float("inf")
+    return out
+
+
+def task_flips(candidate_scores, reference_scores) -> float:
+    """Share of task items whose predicted answer differs between the model and the reference."""
+    if not candidate_scores:
+        return 0.0
+    flips = sum(a.pred != b.pred for a, b in zip(candidate_scores, reference_scores))
+    return flips / len(candidate_scores)
+
+
+def identity_key(identity: dict, runtime: str) -> str:
+    return json.dumps({"sha256": identity.get("sha256"), "path": identity.get("path"), "name": identity.get("name"),
+                       "runtime": runtime}, sort_keys=True)

@@ -1,0 +1,61 @@
+"""`slmedge export`: any model source to a GGUF file or an ONNX directory."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..errors import ConfigError, ModelNotFoundError
+
+FORMATS = ("gguf", "onnx")
+
+
+def source_folder(spec: str | None, revision: str | None = None) -> Path:
+    """The local folder holding ``spec``'s weights: an artifact or HF folder as it is; the embedded
+    model and .gguf files through the cached (and llama.cpp-checked) conversion; Hub ids through
+    a safetensors-only snapshot download."""
+    from ..models.source import embedded_gguf_path, gguf_to_hf_dir, resolve
+
+    source = resolve(spec, revision)
+    if source.kind in ("artifact", "hf_dir"):
+        return source.path
+    if source.kind == "embedded":
+        return gguf_to_hf_dir(embedded_gguf_path(source.spec))
+    if source.kind == "gguf":
+        return gguf_to_hf_dir(source.path)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source.spec, revision=revision,
+                                      allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
+    except Exception as exc:  # noqa: BLE001 - network, auth, not found
+        raise ModelNotFoundError(f"could not get '{source.spec}' from the Hugging Face Hub "
+                                 f"({str(exc).splitlines()[0][:200]}); check the id, your network, or use a local folder") from exc
+
+
+def default_output(folder: Path, fmt: str, qtype: str) -> Path:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", folder.resolve().name).strip("-") or "model"
+    return Path("slmedge-out") / (f"{name}-{qtype}.gguf" if fmt == "gguf" else f"{name}-onnx-{qtype}")
+
+
+def export(spec: str | None, fmt: str, qtype: str = "auto", output=None, *, exact: bool = False, verify: bool = True,
+           overwrite: bool = False, n_threads: int | None = None, block_size: int = 32, accuracy_level: int = 4,
+           keep_fp32_head: bool = False, keep_f16_uncoded: bool = False, revision: str | None = None) -> dict:
+    fmt = fmt.lower()
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown format '{fmt}'; choose {' or '.join(FORMATS)}")
+    folder = source_folder(spec, revision)
+    out = Path(output) if output is not None else default_output(folder, fmt, qtype)
+    if fmt == "gguf":
+        from .gguf import export_gguf
+
+        if out.suffix.lower() != ".gguf" and not out.exists():
+            raise ConfigError(f"a GGUF export is one file: give an output path ending in .gguf, not {out}")
+        return export_gguf(folder, out, qtype, exact=exact, verify=verify, overwrite=overwrite, n_threads=n_threads,
+                           keep_f16_uncoded=keep_f16_uncoded)
+    from .onnx import export_onnx
+
+    if out.suffix.lower() == ".onnx":
+        raise ConfigError(f"an ONNX export is a directory (model, config, tokenizer): give a folder, not {out}")
+    return export_onnx(folder, out, qtype, exact=exact, verify=verify, overwrite=overwrite, n_threads=n_threads,
+                       block_size=block_size, accuracy_level=accuracy_level, keep_fp32_head=keep_fp32_head)

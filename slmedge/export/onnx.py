@@ -1,0 +1,520 @@
+"""ONNX export: optimum writes the decoder with KV cache; the artifact's codes become MatMulNBits.
+
+optimum's exporter (``text-generation-with-past``) writes the graph that ``ORTModelForCausalLM``
+loads: ``input_ids``, ``attention_mask``, ``position_ids`` (not for Gemma) and
+``past_key_values.N.key/value`` in, ``logits`` and ``present.N.key/value`` out. What optimum
+and onnxruntime cannot do is place calibrated integer codes, so that step is ours:
+
+- every ``MatMul`` whose weight is a compressed linear (found by its node name, checked by value
+  against the artifact's dequantized weight) becomes ``com.microsoft::MatMulNBits`` with
+  ``block_size`` = the artifact's group size, the codes packed as they are (element 2i in the low
+  nibble), fp32 scales (the artifact's fp16 values), and packed zero points unless every group
+  has the type's default zero (2^(bits-1), i.e. symmetric codes). A ragged last group is padded
+  with its zero point (padding decodes to 0). MatMulNBits decodes ``(q - zp) * scale``: exactly
+  the artifact's weights;
+- MatMuls without codes (lm_head, skipped layers) get onnxruntime's own 8-bit weight-only RTN,
+  and the token embedding is stored in fp16 behind a Cast, so the file is not dominated by
+  fp32 tables (``--keep-fp32-head`` keeps both as they are);
+- for sources without codes (or codes no ONNX type can hold) ``int4``/``int8`` use
+  onnxruntime's quantizer (``MatMulNBitsQuantizer``, RTN, block 32) and ``int8-dynamic`` its
+  ``quantize_dynamic`` (int8 weights, activations quantized at run time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from ..compress.quant import QuantSpec, pack_codes
+from ..errors import UnsupportedArchitectureError
+from ..fsutil import atomic_directory, check_output_dir, sha256_file, write_json_atomic
+from . import ExportError
+from .source import open_export_source
+
+EXPORT_MANIFEST = "slmedge-export.json"
+ONNX_TYPES = ("fp32", "fp16", "int4", "int8", "int8-dynamic")
+LARGE = 2 * 1024**3 - 64 * 1024**2  # protobuf's 2 GB limit, with room for the graph itself
+
+# Verification tolerances against torch logits of the source weights (fp32). "kept": codes
+# placed as they are (MatMulNBits dequantizes exactly; the 8-bit head and fp16 embedding add a
+# little); "requantized": onnxruntime's quantizer chose the values.
+TOLERANCES: dict[str, dict[str, float]] = {
+    "fp32": {"mean_kl": 1e-5, "top1": 0.99},
+    "fp16": {"mean_kl": 2e-3, "top1": 0.9},
+    "kept": {"mean_kl": 0.02, "top1": 0.85},
+    "requantized": {"mean_kl": 0.5, "top1": 0.3},
+}
+
+
+class ONNXExportError(ExportError):
+    """An ONNX export cannot be written as asked."""
+
+
+class ONNXVerificationError(ONNXExportError):
+    """onnxruntime's logits of the written file disagree with torch's of its source."""
+
+
+# --- architectures ----------------------------------------------------------------------------
+
+
+def onnx_architectures() -> list[str]:
+    """slmedge's architectures that optimum can export as text-generation-with-past."""
+    import optimum.exporters.onnx.model_configs  # noqa: F401 - registers the ONNX configs
+    from optimum.exporters.tasks import TasksManager
+
+    from ..models.architectures import ARCHITECTURES
+
+    out = []
+    for model_type in ARCHITECTURES:
+        for name in (model_type, model_type.replace("_", "-")):
+            try:
+                tasks = TasksManager.get_supported_tasks_for_model_type(name, "onnx", library_name="transformers")
+            except (KeyError, ValueError):
+                continue
+            if "text-generation-with-past" in tasks:
+                out.append(model_type)
+                break
+    return out
+
+
+# --- codes -> MatMulNBits ---------------------------------------------------------------------
+
+
+def cannot_place(spec: QuantSpec, columns: int) -> str | None:
+    """Why a ``spec`` grid over ``columns`` inputs cannot be MatMulNBits blocks (None: it can)."""
+    g = spec.group_width(columns)
+    if g < 16 or g & (g - 1):
+        what = "per-channel group" if spec.group_size == -1 or g == columns else f"group size {spec.group_size}"
+        return f"{what} of {g} columns is not a power of two >= 16 (MatMulNBits block size)"
+    return None
+
+
+def matmulnbits_tensors(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, spec: QuantSpec):
+    """(N, K) codes, (N, G) scales/zeros -> (bits, block_size, B, scales, zero_points or None)."""
+    n, k = codes.shape
+    bs = spec.group_width(k)
+    nb = math.ceil(k / bs)
+    bits = 4 if spec.bits <= 4 else 8
+    zeros = np.asarray(zeros, dtype=np.uint8)
+    pad = nb * bs - k
+    if pad:  # a ragged last group: pad with its zero point, which decodes to exactly 0
+        codes = np.concatenate([codes, np.repeat(zeros[:, -1:], pad, axis=1)], axis=1)
+    import torch
+
+    packed = pack_codes(torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8)), bits).numpy()
+    b = packed.reshape(n, nb, bs * bits // 8)
+    s = np.asarray(scales, dtype=np.float32).reshape(n * nb)
+    if np.all(zeros == 2 ** (bits - 1)):
+        zp = None  # MatMulNBits' default zero point
+    elif bits == 4:
+        zp = pack_codes(torch.from_numpy(np.ascontiguousarray(zeros)), 4).numpy().reshape(-1)
+    else:
+        zp = zeros.reshape(-1).copy()
+    return bits, bs, b, s, zp
+
+
+def _module_of(node) -> str | None:
+    """'/model/layers.0/self_attn/q_proj/MatMul' -> 'model.layers.0.self_attn.q_proj'."""
+    name = node.name.strip("/")
+    if not name.endswith("/MatMul") or name.count("/") < 1:
+        return None
+    return name[: -len("/MatMul")].replace("/", ".")
+
+
+def place_codes(model, layers: dict, weights: dict, accuracy_level: int, exact: bool) -> tuple[dict, list[str]]:
+    """Replace MatMuls of coded linears by MatMulNBits in ``model`` (in place).
+
+    ``weights``: linear name -> fp32 (out, in) weight of the artifact, to check each match by value.
+    Returns (per-linear report, linears whose codes could not be placed).
+    """
+    from onnx import helper, numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    report, refused = {}, []
+    new_nodes, drop_inits = [], set()
+    coded = {n: r for n, r in layers.items() if r.codes is not None}
+    seen = set()
+    for node in model.graph.node:
+        layer = _module_of(node) if node.op_type == "MatMul" else None
+        res = coded.get(layer) if layer else None
+        if res is None or node.input[1] not in inits:
+            new_nodes.append(node)
+            continue
+        seen.add(layer)
+        b_init = inits[node.input[1]]
+        w = numpy_helper.to_array(b_init)
+        ref = weights.get(layer)
+        if ref is None or w.shape != ref.T.shape or not np.array_equal(w, ref.T):
+            raise ONNXExportError(f"the ONNX weight of {layer} is not the artifact's weight; refusing to place codes")
+        codes, scales, zeros = res.codes.numpy(), res.scales.numpy(), res.zeros.numpy()
+        why = cannot_place(res.spec, codes.shape[1])
+        if why is not None:
+            if exact:
+                raise ONNXExportError(f"{layer}'s codes ({res.spec.describe()}) cannot be kept in ONNX: {why}; "
+                                      "rerun without --exact to let onnxruntime re-quantize it")
+            refused.append(layer)
+            report[layer] = {"type": "requantized", "grid": res.spec.describe(), "requantized_because": why,
+                             "codes_kept": False}
+            new_nodes.append(node)
+            continue
+        bits, bs, b, s, zp = matmulnbits_tensors(codes, scales, zeros, res.spec)
+        k, n = w.shape
+        base = node.input[1]
+        tensors = [numpy_helper.from_array(b, base + "_Q"), numpy_helper.from_array(s, base + "_scales")]
+        if zp is not None:
+            tensors.append(numpy_helper.from_array(zp, base + "_zp"))
+        model.graph.initializer.extend(tensors)
+        drop_inits.add(base)
+        new_nodes.append(helper.make_node(
+            "MatMulNBits", [node.input[0], *(t.name for t in tensors)], list(node.output), name=node.name + "NBits",
+            domain="com.microsoft", K=k, N=n, bits=bits, block_size=bs, accuracy_level=accuracy_level))
+        report[layer] = {"type": f"MatMulNBits{bits}", "block_size": bs, "grid": res.spec.describe(),
+                         "zero_points": zp is not None, "codes_kept": True}
+    missing = set(coded) - seen - {"lm_head"}
+    if missing:
+        raise ONNXExportError(f"the artifact has codes for {sorted(missing)[0]} but the ONNX graph has no such MatMul")
+    del model.graph.node[:]
+    model.graph.node.extend(new_nodes)
+    keep = [i for i in model.graph.initializer if i.name not in drop_inits]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return report, refused
+
+
+def untie_head(model) -> list[str]:
+    """A MatMul fed by ``Transpose(initializer)`` (a tied lm_head) gets its own transposed constant,
+    so weight-only quantizers see a constant weight and ``embeddings_to_fp16`` can shrink the table."""
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    producers = {o: n for n in model.graph.node for o in n.output}
+    consumers: dict[str, int] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            consumers[i] = consumers.get(i, 0) + 1
+    done, drop = [], set()
+    for node in model.graph.node:
+        if node.op_type != "MatMul":
+            continue
+        t = producers.get(node.input[1])
+        if t is None or t.op_type != "Transpose" or t.input[0] not in inits:
+            continue
+        perm = next((list(a.ints) for a in t.attribute if a.name == "perm"), None)
+        data = numpy_helper.to_array(inits[t.input[0]])
+        data = np.ascontiguousarray(data.transpose(perm) if perm else data.T)
+        name = node.name.strip("/").replace("/", ".") + ".weight_t"
+        model.graph.initializer.append(numpy_helper.from_array(data, name))
+        node.input[1] = name
+        if consumers.get(t.output[0], 0) == 1:
+            drop.add(id(t))
+        done.append(node.name)
+    if drop:
+        keep = [n for n in model.graph.node if id(n) not in drop]
+        del model.graph.node[:]
+        model.graph.node.extend(keep)
+    return done
+
+
+def embeddings_to_fp16(model, min_elements: int = 1 << 20) -> list[str]:
+    """Store large fp32 tables read only by Gather (token embeddings) in fp16; cast the rows back."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    users: dict[str, set] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            users.setdefault(i, set()).add(n.op_type)
+    changed, nodes = [], []
+    for node in model.graph.node:
+        nodes.append(node)
+        if node.op_type != "Gather" or node.input[0] not in inits or users.get(node.input[0]) != {"Gather"}:
+            continue
+        init = inits[node.input[0]]
+        if init.data_type != TensorProto.FLOAT or int(np.prod(init.dims)) < min_elements:
+            continue
+        if init.name not in changed:
+            half = numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float16), init.name)
+            init.CopyFrom(half)
+            changed.append(init.name)
+        out = node.output[0]
+        node.output[0] = out + "_fp16"
+        nodes.append(helper.make_node("Cast", [out + "_fp16"], [out], name=node.name + "_to_fp32", to=TensorProto.FLOAT))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return changed
+
+
+def ort_quantize_matmuls(model, bits: int, block_size: int, symmetric: bool, accuracy_level: int,
+                         exclude: list[str] | None = None):
+    """onnxruntime's own weight-only RTN on every MatMul with a constant weight (not in ``exclude``)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level,
+                                          bits=bits)
+    quant = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
+                                 accuracy_level=accuracy_level, nodes_to_exclude=exclude or [], algo_config=config)
+    with warnings.catch_warnings(), _quiet_root_logger():
+        warnings.simplefilter("ignore")
+        quant.process()
+    return quant.model.model
+
+
+@contextlib.contextmanager
+def _quiet_root_logger():
+    """onnxruntime's quantizers log every node at INFO on the root logger."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+# --- the export -------------------------------------------------------------------------------
+
+
+def _auto_type(layers: dict) -> str:
+    coded = [r for r in layers.values() if r.codes is not None]
+    if not coded:
+        return "fp32"
+    return "int4" if max(r.spec.bits for r in coded) <= 4 else "int8"
+
+
+def _load_weights(path: Path, names) -> dict:
+    from safetensors import safe_open
+
+    from .gguf import _weight_files
+
+    want = {f"{n}.weight": n for n in names}
+    out = {}
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():
+                if key in want:
+                    out[want[key]] = handle.get_tensor(key).float().numpy()
+    return out
+
+
+def _save(model, path: Path) -> None:
+    import onnx
+
+    try:
+        size = model.ByteSize()
+        large = size > LARGE
+    except Exception:  # noqa: BLE001 - protobuf refuses to size messages past 2 GB
+        large = True
+    if large:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + "_data", size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))
+
+
+def _optimum_export(src_path: Path, out: Path, fp16: bool) -> None:
+    from optimum.exporters.onnx import main_export
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from transformers.utils import logging as hf_logging
+
+        level = logging.getLogger("optimum").level
+        hf_level = hf_logging.get_verbosity()
+        logging.getLogger("optimum").setLevel(logging.ERROR)
+        hf_logging.set_verbosity_error()
+        try:
+            main_export(str(src_path), output=str(out), task="text-generation-with-past", device="cpu",
+                        dtype="fp16" if fp16 else "fp32", do_validation=False, trust_remote_code=False)
+        finally:
+            logging.getLogger("optimum").setLevel(level)
+            hf_logging.set_verbosity(hf_level)
+
+
+def verify_against_torch(onnx_dir: Path, src_path: Path, tolerance: dict, probe: str | None = None,
+                         n_threads: int | None = None, quantized_activations: bool = False) -> dict:
+    """onnxruntime's logits of the file against torch's of the source weights; then the KV cache path."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..models.gguf_check import PROBE, compare_logits
+    from ..runtimes.ort import OrtDecoder
+
+    tok = AutoTokenizer.from_pretrained(str(src_path))
+    ids = tok(PROBE if probe is None else probe, add_special_tokens=True)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(str(src_path), dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].float().numpy()
+    del model
+    dec = OrtDecoder(onnx_dir, n_threads=n_threads)
+    got = dec.logits(ids)
+    stats = compare_logits(ref, got)
+    # The same file fed incrementally through its KV cache must give the same logits.
+    split = max(1, len(ids) // 2)
+    inc = dec.incremental_logits(ids, split)
+    stats["kv_cache_max_abs_diff"] = float(np.abs(inc - got).max())
+    stats["tolerance"] = dict(tolerance)
+    bad = stats["mean_kl"] > tolerance["mean_kl"] or stats["top1_agreement"] < tolerance["top1"]
+    if bad:
+        raise ONNXVerificationError(
+            f"onnxruntime's logits of the ONNX export disagree with torch's of {src_path.name} (mean KL "
+            f"{stats['mean_kl']:.2e} > {tolerance['mean_kl']:g} or top-1 agreement {stats['top1_agreement']:.0%} < "
+            f"{tolerance['top1']:.0%}); nothing was written")
+    inc_stats = compare_logits(got, inc)
+    # Quantized activations (int8-dynamic, MatMulNBits accuracy_level 4) take their ranges per call,
+    # so a prefill and single steps differ a little; otherwise the two paths agree to float error.
+    limit = tolerance["mean_kl"] / 2 if quantized_activations else 1e-4
+    if inc_stats["mean_kl"] > limit or inc_stats["top1_agreement"] < tolerance["top1"]:
+        raise ONNXVerificationError(
+            f"the ONNX export's KV cache path disagrees with its full prefill (mean KL {inc_stats['mean_kl']:.2e}); "
+            "nothing was written")
+    return stats
+
+
+def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verify: bool = True, *,
+                overwrite: bool = False, probe: str | None = None, n_threads: int | None = None,
+                block_size: int = 32, accuracy_level: int = 4, keep_fp32_head: bool = False) -> dict:
+    """Write ``source`` (an slmedge artifact or an HF folder) as an ONNX decoder directory ``out_dir``.
+
+    ``otype``: ``auto`` (int4/int8 from the artifact's codes, else fp32), ``fp32``, ``fp16``,
+    ``int4``, ``int8`` (weight-only, MatMulNBits) or ``int8-dynamic`` (onnxruntime's
+    ``quantize_dynamic``). ``block_size``: onnxruntime quantizer's block for weights without
+    codes. The directory (model.onnx, config, tokenizer, ``slmedge-export.json``) appears only
+    when complete and verified.
+    """
+    import onnx
+
+    started = time.perf_counter()
+    key = str(otype).lower()
+    if key not in ONNX_TYPES and key != "auto":
+        raise ONNXExportError(f"unknown ONNX type '{otype}'; choose auto, {', '.join(ONNX_TYPES)}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ONNXExportError(f"block size must be a power of two >= 16, got {block_size}")
+    check_output_dir(out_dir, overwrite)  # before any work
+    src = open_export_source(source)
+    supported = onnx_architectures()
+    if src.model_type not in supported:
+        raise UnsupportedArchitectureError(
+            f"ONNX export does not support architecture '{src.model_type}'; supported: {', '.join(supported)}")
+    key = _auto_type(src.layers) if key == "auto" else key
+    has_codes = any(r.codes is not None for r in src.layers.values())
+    notes: list[str] = []
+    if exact and key in ("fp32", "fp16", "int8-dynamic") and has_codes:
+        raise ONNXExportError(f"--exact: {key} cannot hold the artifact's codes; use int4 or int8 (MatMulNBits)")
+    if exact and key in ("int4", "int8") and not has_codes:
+        raise ONNXExportError(f"--exact: {src.path} has no codes to keep; {key} would be onnxruntime's own RTN")
+    if any(r.mask is not None for r in src.layers.values()):
+        notes.append("pruned weights are written dense with their zeros; onnxruntime gains no speed from "
+                     "unstructured sparsity")
+    report_layers: dict[str, dict] = {}
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        stage = tmp / ".optimum"
+        _optimum_export(src.path, stage, fp16=(key == "fp16"))
+        model = onnx.load(str(stage / "model.onnx"), load_external_data=True)
+        head = []
+        if key in ("int4", "int8"):
+            bits = 4 if key == "int4" else 8
+            refused = []
+            if has_codes:
+                coded = [n for n, r in src.layers.items() if r.codes is not None]
+                too_wide = [n for n in coded if src.layers[n].spec.bits > bits]
+                if too_wide:
+                    raise ONNXExportError(f"{key} cannot hold {src.layers[too_wide[0]].spec.bits}-bit codes "
+                                          f"({too_wide[0]}); use int8")
+                report_layers, refused = place_codes(model, src.layers, _load_weights(src.path, coded),
+                                                     accuracy_level, exact)
+                if refused:
+                    msg = (f"{len(refused)} linear(s) cannot keep their codes in ONNX and are re-quantized by "
+                           f"onnxruntime (RTN, block {block_size}): their calibration is not kept")
+                    warnings.warn(msg, stacklevel=2)
+                    notes.append(msg)
+            if not keep_fp32_head:
+                untie_head(model)
+            remaining = [n.name for n in model.graph.node if n.op_type == "MatMul"
+                         and n.input[1] in {i.name for i in model.graph.initializer}]
+            if has_codes and not refused:
+                # Only the head and skipped linears are left: 8-bit, so they add little error.
+                if not keep_fp32_head:
+                    model = ort_quantize_matmuls(model, 8, block_size, True, accuracy_level)
+                    head = [n for n in remaining]
+            else:
+                model = ort_quantize_matmuls(model, bits, block_size, True, accuracy_level)
+            if not keep_fp32_head:
+                emb = embeddings_to_fp16(model)
+                if emb:
+                    notes.append(f"token embedding stored in fp16 ({', '.join(emb)})")
+        final = tmp / "model.onnx"
+        if key == "int8-dynamic":
+            from onnxruntime.quantization import QuantType, quantize_dynamic
+
+            plain = tmp / ".plain.onnx"
+            _save(model, plain)
+            with warnings.catch_warnings(), _quiet_root_logger():
+                warnings.simplefilter("ignore")
+                quantize_dynamic(str(plain), str(final), weight_type=QuantType.QInt8, per_channel=True,
+                                 use_external_data_format=plain.with_name(plain.name + "_data").exists())
+            for p in tmp.glob(".plain.onnx*"):
+                p.unlink()
+            if has_codes:
+                msg = "int8-dynamic re-quantizes every weight with onnxruntime's quantizer: the artifact's codes are not kept"
+                warnings.warn(msg, stacklevel=2)
+                notes.append(msg)
+        else:
+            _save(model, final)
+        del model
+        for f in stage.iterdir():
+            if f.suffix in (".json", ".txt", ".model", ".jinja") or f.name == "tokenizer.json":
+                shutil.move(str(f), tmp / f.name)
+        shutil.rmtree(stage)
+        kept = sum(1 for r in report_layers.values() if r.get("codes_kept"))
+        kind = key if key in ("fp32", "fp16") else ("kept" if has_codes and kept and key in ("int4", "int8")
+                                                   and kept == len(report_layers) else "requantized")
+        verification = None
+        if verify:
+            qact = key == "int8-dynamic" or (key in ("int4", "int8") and accuracy_level >= 2)
+            verification = verify_against_torch(tmp, src.path, TOLERANCES[kind], probe, n_threads, qact)
+        ops = _op_counts(final)
+        files = sorted(p for p in tmp.iterdir() if p.is_file())
+        manifest = {
+            "format": "slmedge-onnx-export",
+            "source": str(src.path),
+            "source_kind": "artifact" if src.artifact is not None else "hf_dir",
+            "source_manifest_sha256": sha256_file(src.path / "slmedge.json") if src.artifact is not None else None,
+            "model_type": src.model_type,
+            "type": key,
+            "exact": bool(has_codes and kept and kept == len(report_layers) and key in ("int4", "int8")),
+            "codes_kept": kept,
+            "requantized_by_onnxruntime": (len(report_layers) - kept) if has_codes else (ops.get("MatMulNBits", 0)
+                                                                                         + ops.get("MatMulInteger", 0)),
+            "head_int8": head,
+            "accuracy_level": accuracy_level,
+            "layers": report_layers,
+            "ops": ops,
+            "verification": verification,
+            "notes": notes,
+            "files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+        write_json_atomic(tmp / EXPORT_MANIFEST, manifest)
+    manifest["path"] = str(out_dir)
+    manifest["bytes"] = sum(f["bytes"] for n, f in manifest["files"].items() if n.startswith("model.onnx"))
+    return manifest
+
+
+def _op_counts(path: Path) -> dict:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return dict(sorted(counts.items()))

@@ -1,0 +1,40 @@
+"""What an export reads: an slmedge artifact (checksums verified, codes loaded) or a plain HF folder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..compress.artifact import MANIFEST, QUANT_FILE, Artifact
+from . import ExportError
+
+
+@dataclass
+class ExportSource:
+    path: Path
+    artifact: Artifact | None
+    config: object
+    layers: dict = field(default_factory=dict)
+
+    @property
+    def model_type(self) -> str | None:
+        return getattr(self.config, "model_type", None)
+
+
+def open_export_source(source) -> ExportSource:
+    from transformers import AutoConfig
+
+    path = Path(source)
+    artifact = None
+    layers = {}
+    if (path / MANIFEST).is_file():
+        artifact = Artifact.open(path)  # checks every checksum
+        layers = artifact.layers() if (path / QUANT_FILE).is_file() else {}
+    elif not (path / "config.json").is_file():
+        raise ExportError(f"{path} is neither an slmedge artifact (no {MANIFEST}) nor a Hugging Face folder "
+                          "(no config.json)")
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds
+        raise ExportError(f"cannot read {path / 'config.json'}: {str(exc).splitlines()[0]}") from exc
+    return ExportSource(path, artifact, config, layers)

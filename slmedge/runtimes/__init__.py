@@ -1,0 +1,329 @@
+"""One interface over the three runtimes (torch, onnxruntime, llama.cpp).
+
+Every metric talks to a :class:`Runtime`: ``logits(ids)`` for one sequence from scratch (rolling
+perplexity windows, continuation scoring, fidelity), ``timed_generate`` for latency, with a
+thread count. Token ids come from one tokenizer chosen per source (see ``open_runtime``), so a
+GGUF, an ONNX export and a torch model of the same weights are scored on the same ids.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError, SlmedgeError
+
+RUNTIMES = ("torch", "onnxruntime", "llama.cpp")
+
+
+@dataclass
+class GenerationTiming:
+    prompt_tokens: int
+    generated: int
+    ttft_s: float  # time to first token: the prefill plus picking the first token
+    prefill_tps: float
+    decode_tps: float
+
+
+@dataclass
+class RuntimeInfo:
+    runtime: str
+    path: str
+    threads: int
+    versions: dict = field(default_factory=dict)
+
+
+class Runtime(ABC):
+    """A loaded model in one runtime."""
+
+    name: str = ""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = int(threads or os.cpu_count() or 1)
+
+    @abstractmethod
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """(T, V) float32 logits of one sequence, no cache carried over from earlier calls."""
+
+    @abstractmethod
+    def _prefill(self, ids: list[int]):
+        """Start a sequence; returns (last logits (V,), state)."""
+
+    @abstractmethod
+    def _step(self, token: int, state, position: int):
+        """Feed one token; returns (logits (V,), state)."""
+
+    def continuation_logprobs(self, context: list[int], continuations: list[list[int]]) -> list[np.ndarray]:
+        """Log-probabilities of each continuation's tokens after ``context`` (one array per continuation)."""
+        return [lp for lp, _ in self.continuation_scores(context, continuations)]
+
+    def continuation_scores(self, context: list[int], continuations: list[list[int]]) -> list[tuple[np.ndarray, bool]]:
+        """Per continuation: its tokens' log-probabilities and whether greedy decoding would produce it."""
+        out = []
+        for cont in continuations:
+            seq = list(context) + list(cont)
+            logits = self.logits(seq[:-1])
+            out.append(_token_scores(logits[len(context) - 1 :], cont))
+        return out
+
+    def hidden_states(self, ids: list[int]) -> np.ndarray | None:
+        """(T, H) final hidden states where the runtime exposes them (torch), else None."""
+        return None
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    def timed_generate(self, prompt: list[int], n_gen: int) -> GenerationTiming:
+        """Greedy decoding of ``n_gen`` tokens after ``prompt``, timed (llama-bench's pp/tg split)."""
+        t0 = time.perf_counter()
+        last, state = self._prefill(list(prompt))
+        token = int(np.argmax(last))
+        t1 = time.perf_counter()
+        for i in range(n_gen - 1):
+            last, state = self._step(token, state, len(prompt) + i)
+            token = int(np.argmax(last))
+        t2 = time.perf_counter()
+        decode_n = max(n_gen - 1, 0)
+        return GenerationTiming(len(prompt), n_gen, t1 - t0, len(prompt) / max(t1 - t0, 1e-9),
+                                decode_n / max(t2 - t1, 1e-9) if decode_n else 0.0)
+
+    def info(self) -> dict:
+        return {"runtime": self.name, "threads": self.threads}
+
+    def close(self) -> None:
+        pass
+
+
+def _token_scores(logits: np.ndarray, targets) -> tuple[np.ndarray, bool]:
+    """(log softmax(logits)[i, targets[i]] per row in float64, every target the row's argmax)."""
+    x = logits.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))[:, 0]
+    t = np.asarray(targets)
+    return x[np.arange(len(t)), t] - lse, bool((x.argmax(-1) == t).all())
+
+
+def _padded(context, continuations, pad: int):
+    seqs = [list(context) + list(c)[:-1] for c in continuations]
+    width = max(len(s) for s in seqs)
+    ids = np.full((len(seqs), width), pad, dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+# --- torch ------------------------------------------------------------------------------------
+
+
+class TorchRuntime(Runtime):
+    name = "torch"
+
+    def __init__(self, model, threads: int | None = None, device: str = "cpu"):
+        import torch
+
+        super().__init__(threads)
+        torch.set_num_threads(self.threads)
+        self.torch = torch
+        self.device = device
+        self.model = model.to(device).eval()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def logits(self, ids):
+        with self.torch.no_grad():
+            out = self.model(self.torch.tensor([list(ids)], device=self.device), use_cache=False)
+        return out.logits[0].float().cpu().numpy()
+
+    def continuation_scores(self, context, continuations):
+        # All continuations of one context in one right-padded batch (pads come after every real
+        # token, so a causal model's real positions never see them).
+        ids, mask = _padded(context, continuations, 0)
+        with self.torch.no_grad():
+            logits = self.model(self.torch.from_numpy(ids).to(self.device),
+                                attention_mask=self.torch.from_numpy(mask).to(self.device), use_cache=False).logits
+        logits = logits.float().cpu().numpy()
+        n = len(context)
+        return [_token_scores(logits[i, n - 1 : n - 1 + len(c)], c) for i, c in enumerate(continuations)]
+
+    def hidden_states(self, ids):
+        with self.torch.no_grad():
+            out = self.model(self.torch.tensor([list(ids)], device=self.device), use_cache=False,
+                             output_hidden_states=True)
+        return out.hidden_states[-1][0].float().cpu().numpy()
+
+    def _prefill(self, ids):
+        with self.torch.no_grad():
+            out = self.model(self.torch.tensor([ids], device=self.device), use_cache=True)
+        return out.logits[0, -1].float().cpu().numpy(), out.past_key_values
+
+    def _step(self, token, state, position):
+        with self.torch.no_grad():
+            out = self.model(self.torch.tensor([[token]], device=self.device), past_key_values=state, use_cache=True)
+        return out.logits[0, -1].float().cpu().numpy(), out.past_key_values
+
+
+# --- onnxruntime ------------------------------------------------------------------------------
+
+
+class OnnxRuntime(Runtime):
+    name = "onnxruntime"
+
+    def __init__(self, path, threads: int | None = None, providers: list[str] | None = None):
+        from .ort import OrtDecoder
+
+        super().__init__(threads)
+        self.decoder = OrtDecoder(path, n_threads=self.threads, providers=providers)
+        self.path = self.decoder.path
+
+    @property
+    def vocab_size(self) -> int:
+        shape = self.decoder.session.get_outputs()[0].shape
+        return int(shape[-1]) if isinstance(shape[-1], int) else -1
+
+    def logits(self, ids):
+        return self.decoder.logits(list(ids))
+
+    def continuation_scores(self, context, continuations):
+        ids, mask = _padded(context, continuations, 0)
+        logits, _ = self.decoder.run(ids, attention_mask=mask)
+        n = len(context)
+        return [_token_scores(logits[i, n - 1 : n - 1 + len(c)], c) for i, c in enumerate(continuations)]
+
+    def _prefill(self, ids):
+        out, past = self.decoder.run(np.asarray([ids]))
+        return out[0, -1], past
+
+    def _step(self, token, state, position):
+        out, past = self.decoder.run(np.asarray([[token]]), state, past_len=position)
+        return out[0, -1], past
+
+
+# --- llama.cpp --------------------------------------------------------------------------------
+
+
+class LlamaCppRuntime(Runtime):
+    name = "llama.cpp"
+
+    def __init__(self, path, threads: int | None = None, n_ctx: int = 2048, n_gpu_layers: int = 0):
+        from ..models.gguf_check import quiet_native_stderr
+        from ..models.source import require_llama_cpp
+
+        super().__init__(threads)
+        llama_cpp = require_llama_cpp()
+        self.path = Path(path)
+        self.n_ctx = n_ctx
+        try:
+            with quiet_native_stderr():
+                self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True,
+                                           verbose=False, n_threads=self.threads, n_threads_batch=self.threads,
+                                           n_gpu_layers=n_gpu_layers)
+        except ValueError as exc:
+            raise CorruptModelError(f"llama.cpp cannot load {self.path}: not a valid GGUF model "
+                                    f"({str(exc).splitlines()[0][:200]})") from exc
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.llm.n_vocab())
+
+    @property
+    def metadata(self) -> dict:
+        """The file's key/values as llama.cpp read them (strings); arrays are left out."""
+        return dict(self.llm.metadata)
+
+    @property
+    def n_params(self) -> int:
+        return int(self.llm._model.n_params())
+
+    def _check_len(self, n: int) -> None:
+        if n > self.n_ctx:
+            raise ConfigError(f"{n} tokens do not fit llama.cpp's context of {self.n_ctx}")
+
+    def logits(self, ids):
+        ids = list(ids)
+        self._check_len(len(ids))
+        self.llm.reset()
+        self.llm.eval(ids)
+        return np.array(self.llm.scores[: len(ids)], dtype=np.float32)
+
+    def _prefill(self, ids):
+        self._check_len(len(ids))
+        self.llm.reset()
+        self.llm.eval(ids)
+        return np.array(self.llm.scores[len(ids) - 1], dtype=np.float32), len(ids)
+
+    def _step(self, token, state, position):
+        self._check_len(state + 1)
+        self.llm.eval([token])
+        return np.array(self.llm.scores[state], dtype=np.float32), state + 1
+
+    def continuation_scores(self, context, continuations):
+        # The context is evaluated once; each continuation resumes from its KV cache.
+        context = list(context)
+        self._check_len(len(context) + max(len(c) for c in continuations))
+        self.llm.reset()
+        self.llm.eval(context[:-1]) if len(context) > 1 else None
+        base = len(context) - 1
+        out = []
+        for cont in continuations:
+            self.llm.n_tokens = base
+            seq = [context[-1], *list(cont)[:-1]]
+            self.llm.eval(seq)
+            logits = np.array(self.llm.scores[base : base + len(seq)], dtype=np.float32)
+            out.append(_token_scores(logits, cont))
+        return out
+
+    def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=False))
+
+    def close(self):
+        self.llm.close()
+
+
+class CorruptModelError(SlmedgeError):
+    """A model file its runtime cannot load."""
+
+
+def gguf_metadata(path) -> dict:
+    """A GGUF file's key/values through llama.cpp's reader (vocabulary only: fast, unlike a full
+    Python parse of the tokenizer arrays)."""
+    from ..models.gguf_check import quiet_native_stderr
+    from ..models.source import require_llama_cpp
+
+    llama_cpp = require_llama_cpp()
+    try:
+        with quiet_native_stderr():
+            llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    except ValueError as exc:
+        raise CorruptModelError(f"llama.cpp cannot read {path}: not a valid GGUF model") from exc
+    try:
+        return dict(llm.metadata)
+    finally:
+        llm.close()
+
+
+def runtime_for_path(path) -> str:
+    """The runtime a file implies: .gguf -> llama.cpp, .onnx or an ONNX folder -> onnxruntime, else torch."""
+    p = Path(path)
+    if p.suffix.lower() == ".gguf":
+        return "llama.cpp"
+    if p.suffix.lower() == ".onnx" or (p.is_dir() and (p / "model.onnx").is_file()):
+        return "onnxruntime"
+    return "torch"
+
+
+def check_runtime_name(name: str) -> str:
+    key = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "ort": "onnxruntime", "onnx": "onnxruntime",
+           "pytorch": "torch"}.get(name.lower(), name.lower())
+    if key not in RUNTIMES:
+        raise ConfigError(f"unknown runtime '{name}'; choose {', '.join(RUNTIMES)}")
+    return key
