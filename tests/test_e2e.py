@@ -110,7 +110,7 @@ def test_smollm2_codes_reach_llamacpp_and_onnxruntime(default_model, tmp_path):
     g = export_gguf(sym.artifact, tmp_path / "m.gguf", "q4_0", exact=True)
     assert g["codes_kept"] == 210 and g["verification"]["tokenizer_agrees"]
     assert g["verification"]["mean_kl"] < 0.02 and g["verification"]["top1_agreement"] > 0.9
-    o = export_onnx(asym.artifact, tmp_path / "onnx", "int4", exact=True)
+    o = export_onnx(asym.artifact, tmp_path / "onnx", "int4", exact=True, accuracy_level=0)  # fp32 compute: tight
     assert o["codes_kept"] == 210 and o["layers"]["model.layers.0.mlp.down_proj"]["block_size"] == 128
     assert o["verification"]["mean_kl"] < 0.01 and o["verification"]["top1_agreement"] > 0.9
     onnx_mb = sum(p.stat().st_size for p in (tmp_path / "onnx").glob("model.onnx*")) / 1e6

@@ -296,3 +296,28 @@ def test_lm_eval_scores_our_task_files_like_slmedge_through_both_model_classes(t
             assert r["acc,none"] == pytest.approx(ours[name]["acc"]), (model, name)
             if "acc_norm" in ours[name]:
                 assert r["acc_norm,none"] == pytest.approx(ours[name]["acc_norm"]), (model, name)
+
+
+@needs_shared_data
+def test_task_groups_expand():
+    s = EvalSettings(tasks=("english", "xcopa")).validate()
+    assert len(s.task_list()) == 8 + 11 and s.task_list()[0] == "arc_easy" and s.task_list()[-1] == "xcopa_zh"
+    assert EvalSettings(langs=("en", "th")).task_list()[-1] == "xcopa_th"
+
+
+def test_lm_eval_command_passes_through_with_slmedge_registered():
+    pytest.importorskip("lm_eval")
+    r = runner.invoke(app, ["lm-eval", "--help"])
+    assert r.exit_code == 0 and "--model" in r.output and "--tasks" in r.output
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "gemma2", "gemma3_text"])
+def test_shared_prefix_scoring_equals_one_sequence_at_a_time(model_type, tiny_models):
+    from slmedge.runtimes import Runtime
+
+    sub = open_subject(tiny_models(model_type))
+    ctx, conts = list(range(5, 25)), [[30, 31, 32], [40], [50, 51, 52, 53, 54]]  # longer than Gemma's window 16
+    fast = sub.runtime.continuation_scores(ctx, conts)
+    slow = Runtime.continuation_scores(sub.runtime, ctx, conts)  # the generic path: one forward each
+    for (a, ga), (b, gb) in zip(fast, slow):
+        assert np.abs(a - b).max() < 1e-4 and ga == gb

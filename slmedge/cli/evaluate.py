@@ -82,7 +82,7 @@ def evaluate_command(
     seqlen: int = typer.Option(512, "--seqlen", help="Perplexity window length in tokens."),
     stride: Optional[int] = typer.Option(None, "--stride", help="Tokens between window starts (default: the window length)."),
     ppl_windows: Optional[int] = typer.Option(4, "--ppl-windows", help="Windows per corpus (0: all)."),
-    tasks: Optional[str] = typer.Option(None, "--tasks", help="Comma list of tasks or .jsonl files (default: the eight English tasks + XCOPA in --langs)."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="Comma list of tasks, .jsonl files, or the groups english, xcopa (11 languages), all (default: the eight English tasks + XCOPA in --langs)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Items per task (default: all)."),
     reference: Optional[str] = typer.Option(None, "--reference", help="Fidelity reference (default: the artifact's base model)."),
     reference_runtime: Optional[str] = typer.Option(None, "--reference-runtime", help="Runtime of the reference (default: follows from it)."),

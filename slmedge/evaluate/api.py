@@ -57,14 +57,20 @@ class EvalSettings:
         if self.tasks:
             from .tasks import task_file
 
-            for t in self.tasks:
+            for t in self.task_list():
                 task_file(t, self.data_dir)
         return self
 
     def task_list(self) -> list[str]:
-        if self.tasks is not None:
-            return list(self.tasks)
         from .tasks import ENGLISH_TASKS, XCOPA_LANGS
+
+        if self.tasks is not None:
+            groups = {"english": list(ENGLISH_TASKS), "xcopa": [f"xcopa_{lang}" for lang in XCOPA_LANGS]}
+            groups["all"] = groups["english"] + groups["xcopa"]
+            out: list[str] = []
+            for t in self.tasks:
+                out.extend(groups.get(t, [t]))
+            return out
 
         return list(ENGLISH_TASKS) + [f"xcopa_{lang}" for lang in self.langs if lang in XCOPA_LANGS]
 

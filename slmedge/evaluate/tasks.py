@@ -10,7 +10,8 @@ Two schemas (the LLM Foundry in-context-learning formats of ``../shared/data/tas
 
 Tokenization follows lm-eval's ``_encode_pair``: trailing spaces of the context move to the
 continuation; the continuation's tokens are those of (context + continuation) after the
-context's tokens; an empty context becomes the end-of-text token. Standard errors are lm-eval's
+context's tokens; an empty context becomes the end-of-text token; a tokenizer that adds BOS by
+default gets it in front of the context, as lm-eval's ``hf`` model does. Standard errors are lm-eval's
 (sample standard deviation / sqrt(n)).
 """
 
@@ -108,7 +109,8 @@ def encode_pair(encoder, context: str, continuation: str) -> tuple[list[int], li
         return [prefix], encoder.encode(continuation)
     whole = encoder.encode(context + continuation)
     ctx = encoder.encode(context)
-    return ctx, whole[len(ctx):]
+    bos = [encoder.bos_id] if encoder.adds_bos else []  # as lm-eval's hf model encodes with the tokenizer's default
+    return bos + ctx, whole[len(ctx):]
 
 
 @dataclass

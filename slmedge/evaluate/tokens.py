@@ -15,6 +15,9 @@ class Encoder:
     kind = ""
     bos_id: int | None = None
     eos_id: int | None = None
+    # Whether the tokenizer puts BOS in front of a text by default (lm-eval's hf model then
+    # scores tasks with it, so task scoring does too).
+    adds_bos: bool = False
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -34,6 +37,9 @@ class HFEncoder(Encoder):
         self.tok = tokenizer
         self.bos_id = tokenizer.bos_token_id
         self.eos_id = tokenizer.eos_token_id
+        plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+        full = tokenizer("a")["input_ids"]
+        self.adds_bos = self.bos_id is not None and full[:1] == [self.bos_id] and full[1:] == plain
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False, verbose=False)["input_ids"])
@@ -80,6 +86,7 @@ class LlamaCppEncoder(Encoder):
         self.llm = llm
         self.bos_id = llm.token_bos() if llm.token_bos() >= 0 else None
         self.eos_id = llm.token_eos() if llm.token_eos() >= 0 else None
+        self.adds_bos = self.bos_id is not None and bool(llm._model.add_bos_token())
 
     def encode(self, text: str) -> list[int]:
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))

@@ -145,15 +145,55 @@ class TorchRuntime(Runtime):
         return out.logits[0].float().cpu().numpy()
 
     def continuation_scores(self, context, continuations):
-        # All continuations of one context in one right-padded batch (pads come after every real
-        # token, so a causal model's real positions never see them).
-        ids, mask = _padded(context, continuations, 0)
-        with self.torch.no_grad():
-            logits = self.model(self.torch.from_numpy(ids).to(self.device),
-                                attention_mask=self.torch.from_numpy(mask).to(self.device), use_cache=False).logits
+        # The context (but its last token) runs once and its KV cache is shared; the continuations
+        # then run as one right-padded batch (pads come after every real token, so no real
+        # position sees them), and the head is applied only where a continuation token is scored.
+        torch = self.torch
+        ctx = list(context)
+        if len(ctx) > 1 and len(continuations) > 0:
+            try:
+                return self._scores_with_prefix(ctx, continuations)
+            except (AttributeError, NotImplementedError, TypeError):
+                pass  # caches without batch expansion (e.g. hybrid sliding-window): the plain path
+        ids, mask = _padded(ctx, continuations, 0)
+        with torch.no_grad():
+            logits = self.model(torch.from_numpy(ids).to(self.device),
+                                attention_mask=torch.from_numpy(mask).to(self.device), use_cache=False).logits
         logits = logits.float().cpu().numpy()
-        n = len(context)
+        n = len(ctx)
         return [_token_scores(logits[i, n - 1 : n - 1 + len(c)], c) for i, c in enumerate(continuations)]
+
+    def _scores_with_prefix(self, ctx, continuations):
+        torch = self.torch
+        from transformers import DynamicCache
+
+        base = getattr(self.model, self.model.base_model_prefix)
+        with torch.no_grad():
+            prefix = torch.tensor([ctx[:-1]], device=self.device)
+            cache = DynamicCache(config=self.model.config)
+            base(input_ids=prefix, past_key_values=cache, use_cache=True)
+            b = len(continuations)
+            if b > 1:
+                cache.batch_repeat_interleave(b)
+            seqs = [[ctx[-1], *list(c)[:-1]] for c in continuations]
+            width = max(len(x) for x in seqs)
+            ids = torch.zeros((b, width), dtype=torch.long)
+            mask = torch.zeros((b, len(ctx) - 1 + width), dtype=torch.long)
+            mask[:, : len(ctx) - 1] = 1
+            for i, x in enumerate(seqs):
+                ids[i, : len(x)] = torch.tensor(x)
+                mask[i, len(ctx) - 1 : len(ctx) - 1 + len(x)] = 1
+            pos = torch.arange(len(ctx) - 1, len(ctx) - 1 + width).unsqueeze(0).expand(b, -1)
+            hidden = base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                          position_ids=pos.to(self.device), past_key_values=cache, use_cache=True).last_hidden_state
+            out = []
+            for i, c in enumerate(continuations):
+                logits = self.model.lm_head(hidden[i, : len(c)])
+                if getattr(self.model.config, "final_logit_softcapping", None):
+                    cap = self.model.config.final_logit_softcapping
+                    logits = torch.tanh(logits / cap) * cap
+                out.append(_token_scores(logits.float().cpu().numpy(), c))
+        return out
 
     def hidden_states(self, ids):
         with self.torch.no_grad():
