@@ -32,11 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..compress.artifact import MANIFEST, QUANT_FILE, Artifact
+from ..compress.artifact import MANIFEST, Artifact
 from ..compress.quant import QuantSpec
 from ..errors import OutputExistsError, UnsupportedArchitectureError
 from ..fsutil import sha256_file
 from . import ExportError, GGUFExportError, GGUFVerificationError
+from .source import iter_weights, open_export_source
 
 
 BLOCK = 32  # values per block along the input dimension, for every type written here
@@ -202,8 +203,6 @@ class _Source:
 
 
 def _open_source(source) -> _Source:
-    from .source import open_export_source
-
     try:
         base = open_export_source(source)
     except ExportError as exc:
@@ -213,26 +212,6 @@ def _open_source(source) -> _Source:
             f"GGUF export does not support architecture '{base.model_type}' yet; supported: "
             f"{', '.join(GGUF_ARCHITECTURES)}")
     return _Source(base.path, base.artifact, base.config, GGUF_ARCHITECTURES[base.model_type], base.layers)
-
-
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        return [path / n for n in names]
-    files = sorted(p for p in path.glob("*.safetensors") if p.name != QUANT_FILE)
-    if not files:
-        raise GGUFExportError(f"{path} has no safetensors weights")
-    return files
-
-
-def _iter_weights(path: Path):
-    from safetensors import safe_open
-
-    for f in _weight_files(path):
-        with safe_open(str(f), framework="pt") as handle:
-            for key in handle.keys():
-                yield key, handle.get_tensor(key).float().numpy()
 
 
 def _hparam(config, name, default=None):
@@ -545,24 +524,18 @@ def verify_against_torch(gguf_path: Path, src: _Source, tolerance: dict, probe: 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..models.gguf_check import PROBE, compare_logits, llamacpp_logits, quiet_native_stderr
-    from ..models.source import require_llama_cpp
+    from ..models.gguf_check import PROBE, compare_logits, llamacpp_logits, vocab_only
 
-    llama_cpp = require_llama_cpp()
     probe = PROBE if probe is None else probe
     tok = AutoTokenizer.from_pretrained(str(src.path))
     ids = tok(probe, add_special_tokens=False)["input_ids"]
     try:
-        with quiet_native_stderr():
-            vocab_only = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
+        with vocab_only(gguf_path) as llm:
+            cpp_ids = list(llm.tokenize(probe.encode("utf-8"), add_bos=False, special=False))
+            add_bos = bool(llm._model.add_bos_token()) if hasattr(llm, "_model") else False
+            bos = llm.token_bos()
     except ValueError as exc:
         raise GGUFVerificationError(f"llama.cpp cannot load the written GGUF ({exc}); nothing was written") from exc
-    try:
-        cpp_ids = list(vocab_only.tokenize(probe.encode("utf-8"), add_bos=False, special=False))
-        add_bos = bool(vocab_only._model.add_bos_token()) if hasattr(vocab_only, "_model") else False
-        bos = vocab_only.token_bos()
-    finally:
-        vocab_only.close()
     same_tokens = cpp_ids == list(ids)
     if not same_tokens and not tokenizer_copied:
         first = next((i for i, (a, b) in enumerate(zip(ids, cpp_ids)) if a != b), min(len(ids), len(cpp_ids)))
@@ -667,7 +640,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
     copies: list[tuple[str, np.ndarray]] = []  # a tied head llama.cpp needs as its own tensor
 
     def weights():
-        yield from _iter_weights(src.path)
+        yield from iter_weights(src.path)
         yield from copies
 
     for hf_name, w in weights():

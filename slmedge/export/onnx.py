@@ -36,7 +36,7 @@ from ..compress.quant import QuantSpec, pack_codes
 from ..errors import UnsupportedArchitectureError
 from ..fsutil import atomic_directory, check_output_dir, sha256_file, write_json_atomic
 from . import ExportError
-from .source import open_export_source
+from .source import iter_weights, open_export_source
 
 EXPORT_MANIFEST = "slmedge-export.json"
 ONNX_TYPES = ("fp32", "fp16", "int4", "int8", "int8-dynamic")
@@ -291,18 +291,9 @@ def _auto_type(layers: dict) -> str:
 
 
 def _load_weights(path: Path, names) -> dict:
-    from safetensors import safe_open
-
-    from .gguf import _weight_files
-
+    """linear name -> its fp32 (out, in) weight."""
     want = {f"{n}.weight": n for n in names}
-    out = {}
-    for f in _weight_files(path):
-        with safe_open(str(f), framework="pt") as handle:
-            for key in handle.keys():
-                if key in want:
-                    out[want[key]] = handle.get_tensor(key).float().numpy()
-    return out
+    return {want[key]: w for key, w in iter_weights(path, set(want))}
 
 
 def _save(model, path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,3 +39,26 @@ def open_export_source(source) -> ExportSource:
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds
         raise ExportError(f"cannot read {path / 'config.json'}: {str(exc).splitlines()[0]}") from exc
     return ExportSource(path, artifact, config, layers)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors weight files of a folder (sharded or not; never quantization.safetensors)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(p for p in path.glob("*.safetensors") if p.name != QUANT_FILE)
+    if not files:
+        raise ExportError(f"{path} has no safetensors weights")
+    return files
+
+
+def iter_weights(path: Path, names=None):
+    """(name, fp32 numpy array) of every weight tensor, or only those in ``names``."""
+    from safetensors import safe_open
+
+    for f in weight_files(path):
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():
+                if names is None or key in names:
+                    yield key, handle.get_tensor(key).float().numpy()

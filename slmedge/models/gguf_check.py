@@ -68,6 +68,21 @@ def quiet_native_stderr():
         os.close(saved)
 
 
+@contextlib.contextmanager
+def vocab_only(gguf_path):
+    """llama.cpp's vocabulary and metadata of a GGUF file, without its weights; closed afterwards.
+    A file llama.cpp cannot read raises ValueError on entry."""
+    from .source import require_llama_cpp
+
+    llama_cpp = require_llama_cpp()
+    with quiet_native_stderr():
+        llm = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
+    try:
+        yield llm
+    finally:
+        llm.close()
+
+
 def llamacpp_logits(gguf_path, token_ids: list[int], n_threads: int | None = None) -> np.ndarray:
     from .source import require_llama_cpp
 
@@ -90,16 +105,9 @@ def llamacpp_logits(gguf_path, token_ids: list[int], n_threads: int | None = Non
 
 def check_against_llamacpp(model, tokenizer, gguf_path, text: str = PROBE) -> dict:
     """Compare logits on ``text``; raise :class:`GGUFImportMismatchError` when they disagree."""
-    from .source import require_llama_cpp
-
-    llama_cpp = require_llama_cpp()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    with quiet_native_stderr():
-        vocab_only = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
-    try:
-        cpp_ids = vocab_only.tokenize(text.encode("utf-8"), add_bos=False, special=False)
-    finally:
-        vocab_only.close()
+    with vocab_only(gguf_path) as llm:
+        cpp_ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
     if list(cpp_ids) != list(ids):
         first = next((i for i, (a, b) in enumerate(zip(ids, cpp_ids)) if a != b), min(len(ids), len(cpp_ids)))
         raise GGUFImportMismatchError(

@@ -322,9 +322,6 @@ class LlamaCppRuntime(Runtime):
             out.append(_token_scores(logits, cont))
         return out
 
-    def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
-        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=False))
-
     def close(self):
         self.llm.close()
 
@@ -336,19 +333,13 @@ class CorruptModelError(SlmedgeError):
 def gguf_metadata(path) -> dict:
     """A GGUF file's key/values through llama.cpp's reader (vocabulary only: fast, unlike a full
     Python parse of the tokenizer arrays)."""
-    from ..models.gguf_check import quiet_native_stderr
-    from ..models.source import require_llama_cpp
+    from ..models.gguf_check import vocab_only
 
-    llama_cpp = require_llama_cpp()
     try:
-        with quiet_native_stderr():
-            llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        with vocab_only(path) as llm:
+            return dict(llm.metadata)
     except ValueError as exc:
         raise CorruptModelError(f"llama.cpp cannot read {path}: not a valid GGUF model") from exc
-    try:
-        return dict(llm.metadata)
-    finally:
-        llm.close()
 
 
 def runtime_for_path(path) -> str:
