@@ -5,6 +5,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# System packages the targets need (an sshd for the ssh transport's tests, qemu and an aarch64
+# cross compiler for the emulated arm64 target). Installed when this runs as root with apt;
+# otherwise say what is missing (the tests that need them skip, with that reason).
+SYS_PKGS="openssh-server openssh-client qemu-user-static gcc-aarch64-linux-gnu g++-aarch64-linux-gnu cmake"
+missing=""
+for p in $SYS_PKGS; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"; done
+if [ -n "$missing" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing system packages:$missing"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  else
+    echo "note: missing system packages (install them for the ssh and arm64 targets):$missing" >&2
+  fi
+fi
+
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
 if [ ! -x .venv/bin/python ]; then

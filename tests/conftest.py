@@ -8,6 +8,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import calib_text, save_tiny  # noqa: E402
 
+# Emulated target environments are built once per machine (`slmedge targets setup arm64`, run by
+# .ci/run) into the real user cache; tests use them there while everything else goes to tmp dirs.
+if not os.environ.get("SLMEDGE_TARGET_ENVS"):
+    from platformdirs import user_cache_dir
+
+    os.environ["SLMEDGE_TARGET_ENVS"] = str(Path(os.environ.get("SLMEDGE_CACHE_DIR") or user_cache_dir("slmedge"))
+                                            / "targets")
+
 # Tests never reach a hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -81,6 +89,19 @@ def artifacts(tiny_models, calib_file, tmp_path_factory):
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def exports(tiny_models, tmp_path_factory):
+    """The tiny llama in all three runtimes' forms (same weights, f32): runtime -> path string."""
+    from slmedge.export.gguf import export_gguf
+    from slmedge.export.onnx import export_onnx
+
+    root = tmp_path_factory.mktemp("f32-exports")
+    src = tiny_models("llama")
+    export_gguf(src, root / "m.gguf", "f32")
+    export_onnx(src, root / "onnx", "fp32")
+    return {"torch": str(src), "llama.cpp": str(root / "m.gguf"), "onnxruntime": str(root / "onnx")}
 
 
 def one_line_error(result, *words):

@@ -31,15 +31,6 @@ TEXT = ("Zürich's café served naïve crème brûlée; 東京 and भारत 
         + "The quick brown fox jumps over the lazy dog. " * 40)
 
 
-@pytest.fixture(scope="module")
-def exports(tiny_models, tmp_path_factory):
-    root = tmp_path_factory.mktemp("eval-exports")
-    src = tiny_models("llama")
-    export_gguf(src, root / "m.gguf", "f32")
-    export_onnx(src, root / "onnx", "fp32")
-    return {"torch": str(src), "llama.cpp": str(root / "m.gguf"), "onnxruntime": str(root / "onnx")}
-
-
 def test_three_runtimes_give_the_same_perplexity_on_an_f32_export(exports, tmp_path):
     text_file = tmp_path / "t.txt"
     text_file.write_text(TEXT, encoding="utf-8")
@@ -321,3 +312,27 @@ def test_shared_prefix_scoring_equals_one_sequence_at_a_time(model_type, tiny_mo
     slow = Runtime.continuation_scores(sub.runtime, ctx, conts)  # the generic path: one forward each
     for (a, ga), (b, gb) in zip(fast, slow):
         assert np.abs(a - b).max() < 1e-4 and ga == gb
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "gemma3_text"])
+def test_packed_scoring_across_contexts_equals_one_group_at_a_time(model_type, tiny_models, tmp_path):
+    from slmedge.runtimes import Runtime
+
+    groups = [(list(range(5, 25)), [[30, 31, 32], [40], [50, 51, 52, 53, 54]]),
+              ([7], [[8, 9]]),  # a one-token context
+              (list(range(60, 66)), [[70, 71], [72]]),
+              (list(range(100, 140)), [[3] * 7])]
+    sub = open_subject(tiny_models(model_type))
+    subjects = [sub]
+    if model_type in ("llama", "qwen3"):
+        export_onnx(tiny_models(model_type), tmp_path / "onnx", "fp32", verify=False)
+        subjects.append(open_subject(str(tmp_path / "onnx")))
+    for s in subjects:
+        s.runtime.pack_tokens = 64  # several packed batches
+        packed = s.runtime.score_groups(groups)
+        for (ctx, conts), got in zip(groups, packed):
+            want = Runtime.continuation_scores(s.runtime, ctx, conts)
+            assert len(got) == len(conts)
+            for (a, ga), (b, gb), c in zip(got, want, conts):
+                assert a.shape == (len(c),) and np.abs(a - b).max() < 1e-4 and ga == gb
+        s.close()

@@ -10,6 +10,7 @@ from .evaluate import evaluate_command, lm_eval_command
 from .export import export_command, inspect_command
 from .methods import methods_command
 from .run import run_command
+from .targets import targets_app
 
 app = typer.Typer(
     name="slmedge",
@@ -34,6 +35,7 @@ app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unkno
 app.command("inspect")(inspect_command)
 app.command("run")(run_command)
 app.command("methods")(methods_command)
+app.add_typer(targets_app, name="targets")
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ import sys
 from typing import Iterator
 
 import typer
+from rich.markup import escape
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -34,7 +35,7 @@ def errors_to_exit() -> Iterator[None]:
     except SlmedgeError as exc:
         if state.debug:
             raise
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         if state.debug:
@@ -46,7 +47,7 @@ def errors_to_exit() -> Iterator[None]:
             raise
         reason = "no space left on the device" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-        err_console.print(f"[bold red]error:[/] {reason}{where}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(reason + where)}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     except Exception as exc:  # a bug: say so in one line, and how to see more
         if state.debug:

@@ -67,7 +67,21 @@ def print_results(res: dict) -> None:
                                 ("prefill_tps", "prefill tokens/s", "{:.1f}"), ("decode_tps", "decode tokens/s", "{:.1f}")):
             s = r[key]
             t.add_row(label, fmt.format(s["median"]), fmt.format(s["min"]), fmt.format(s["max"]))
+        if r.get("emulated"):
+            t.caption = "EMULATED (qemu): not device latency"
         console.print(t)
+        roof = r.get("roofline") or {}
+        if roof.get("decode_bound_tps") or roof.get("prefill_bound_tps"):
+            t = Table("roofline", "bound tokens/s", "measured", "fraction", title=f"roofline of target {roof['target']}: "
+                      f"{roof['label']}")
+            for kind, peak in (("decode", f"{roof.get('bandwidth_gbs') or 0:.1f} GB/s"),
+                               ("prefill", roof.get("prefill_peak", ""))):
+                bound = roof.get(f"{kind}_bound_tps")
+                if bound:
+                    got, frac = roof.get(f"{kind}_tps"), roof.get(f"{kind}_fraction")
+                    t.add_row(f"{kind} ({peak})", f"{bound:.1f}", "-" if got is None else f"{got:.1f}",
+                              "-" if frac is None else f"{frac:.0%}")
+            console.print(t)
     for note in res.get("notes", []):
         console.print(f"note: {note}")
 
@@ -91,7 +105,7 @@ def evaluate_command(
     repeats: int = typer.Option(3, "--repeats", help="Latency: timed runs after one warm-up."),
     context: int = typer.Option(2048, "--context", help="Context length for the KV-cache size and llama.cpp's n_ctx."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Threads (default: all cores)."),
-    target: str = typer.Option("cpu", "--target", help="Where to run (this machine: cpu)."),
+    target: str = typer.Option("cpu", "--target", help="Target profile (slmedge targets list): cpu, arm64 (emulated), cuda, an ssh device, or a .toml file."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every number to this JSON file."),
     results_db: Optional[Path] = typer.Option(None, "--results-db", envvar="SLMEDGE_RESULTS_DB", help="SQLite results store (default: user data dir)."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help="Data folder (default ../shared/data)."),
@@ -104,15 +118,12 @@ def evaluate_command(
       slmedge evaluate model.gguf --metrics perplexity --corpus my.txt --json out.json
       slmedge evaluate onnx_dir --tasks arc_easy,xcopa_th --limit 200
       slmedge evaluate out/gptq --runtime llama.cpp --metrics latency
+      slmedge evaluate model.gguf --target arm64 --metrics perplexity,latency
     """
     from ..evaluate.api import METRICS, EvalSettings, Evaluation
     from ..evaluate.store import ResultsStore
 
     with errors_to_exit():
-        if target != "cpu":
-            from ..errors import ConfigError
-
-            raise ConfigError(f"unknown target '{target}'; this slmedge evaluates on 'cpu' (this machine)")
         settings = EvalSettings(
             metrics=_split(metrics) or METRICS, langs=_split(langs) or (), wikitext=not no_wikitext,
             corpora=tuple(corpus or ()), seqlen=seqlen, stride=stride, ppl_windows=ppl_windows or None,

@@ -92,7 +92,7 @@ def _model_config(sub) -> dict:
     if rt.name == "torch":
         return rt.model.config.to_dict()
     if rt.name == "onnxruntime":
-        f = rt.path.parent / "config.json"
+        f = Path(sub.file).parent / "config.json"
         return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
     md = rt.metadata
     arch = md.get("general.architecture", "")
@@ -113,25 +113,38 @@ class Evaluation:
     def __init__(self, spec: str | None, settings: EvalSettings, store=None, json_path: Path | None = None,
                  progress=None, subject=None):
         from ..compress.artifact import library_versions
-        from .subject import open_subject
+        from ..targets.profiles import get_profile, profile_dict
+        from ..targets.session import open_on_target
 
         self.settings = settings.validate()
         self.progress = progress
         self.json_path = Path(json_path) if json_path else None
+        self.profile = get_profile(settings.target)
         n_ctx = max(settings.context, settings.seqlen, settings.pp + settings.tg + 8)
-        self.sub = subject or open_subject(spec, settings.runtime, settings.threads, n_ctx=n_ctx)
+        if subject is not None:
+            self.sub = subject
+        else:
+            self.sub = open_on_target(spec, settings.runtime, settings.threads, n_ctx, self.profile)
         self.store = store
         rt = self.sub.runtime
+        self.emulated = bool(getattr(rt, "emulated", False))
+        versions = library_versions()
+        if getattr(rt, "target_versions", None):
+            versions["target"] = rt.target_versions
         self.results = {
             "model": self.sub.label, "spec": self.sub.spec, "identity": self.sub.identity, "runtime": rt.name,
-            "threads": rt.threads, "target": settings.target, "emulated": False, "versions": library_versions(),
+            "threads": rt.threads, "target": self.profile.name, "emulated": self.emulated, "versions": versions,
+            "target_profile": profile_dict(self.profile),
             "settings": asdict(settings), "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "metrics": {}, "notes": [],
         }
+        if self.emulated:
+            self.results["notes"].append(f"target {self.profile.name} is emulated (qemu): its timings are not device "
+                                         "latency; the roofline figures are projections")
         self.run_id = None
         if store is not None:
             self.run_id = store.start_run(self.sub.label, self.sub.identity.get("sha256"), rt.name, rt.threads,
-                                          settings.target, self.results["versions"], asdict(settings))
+                                          self.profile.name, versions, asdict(settings), emulated=self.emulated)
             self.results["run_id"] = self.run_id
         self._task_scores: dict[str, list] = {}
 
@@ -255,8 +268,12 @@ class Evaluation:
                "bits_per_weight": (8 * size / sub.params) if size and sub.params else None,
                "kv_cache_bytes": kv_cache_bytes(config, s.context, kv_bytes_per_value), "context": s.context}
         if s.memory_child:
-            spec = str(sub.file) if sub.runtime.name != "torch" else sub.spec
-            probe = peak_rss_child(spec, sub.runtime.name, sub.runtime.threads)
+            transport = getattr(sub.runtime, "transport", None)
+            if transport is not None:  # measured on the target, in a fresh runner
+                probe = transport.memprobe(sub.runtime.name, sub.runtime.remote_path, sub.runtime.threads)
+            else:
+                spec = str(sub.file) if sub.runtime.name != "torch" else sub.spec
+                probe = peak_rss_child(spec, sub.runtime.name, sub.runtime.threads)
             out["peak_rss_bytes"] = probe["peak_rss_bytes"]
         self.results["metrics"]["memory"] = out
         self._row("file_bytes", size, "", None, "bytes")
@@ -273,11 +290,32 @@ class Evaluation:
         if len(ids) < s.pp:
             raise DataError(f"WikiText-2 gave {len(ids)} tokens, fewer than the {s.pp}-token prompt")
         lat = latency(self.sub.runtime, ids[: s.pp], s.tg, s.repeats)
+        lat["emulated"] = self.emulated
+        lat["roofline"] = self._roofline(lat)
         self.results["metrics"]["latency"] = lat
         subset = f"pp{s.pp}-tg{s.tg}"
-        self._row("ttft_s", lat["ttft_s"]["median"], subset, None, "s", lat["ttft_s"])
-        self._row("prefill_tps", lat["prefill_tps"]["median"], subset, None, "tokens/s", lat["prefill_tps"])
-        self._row("decode_tps", lat["decode_tps"]["median"], subset, None, "tokens/s", lat["decode_tps"])
+        tag = {"emulated": True} if self.emulated else {}
+        self._row("ttft_s", lat["ttft_s"]["median"], subset, None, "s", {**lat["ttft_s"], **tag})
+        self._row("prefill_tps", lat["prefill_tps"]["median"], subset, None, "tokens/s", {**lat["prefill_tps"], **tag})
+        self._row("decode_tps", lat["decode_tps"]["median"], subset, None, "tokens/s", {**lat["decode_tps"], **tag})
+        roof = lat["roofline"]
+        for key in ("decode_bound_tps", "prefill_bound_tps", "decode_fraction", "prefill_fraction"):
+            if roof.get(key) is not None:
+                self._row(key, roof[key], subset, None, "ratio" if key.endswith("fraction") else "tokens/s",
+                          {"label": roof["label"], "target": self.profile.name})
+
+    def _roofline(self, lat: dict) -> dict:
+        from ..targets.roofline import roofline, set_against
+        from .system import kv_cache_bytes, path_bytes
+
+        sub, s = self.sub, self.settings
+        config = _model_config(sub)
+        kv_token = kv_cache_bytes(config, 1, 2 if sub.runtime.name == "llama.cpp" else 4)
+        qtype = str(sub.identity.get("qtype") or "")
+        integer = sub.runtime.name != "torch" and qtype not in ("", "f32", "f16", "fp32", "fp16", "bf16")
+        bounds = roofline(self.profile, path_bytes(sub.file), kv_token, sub.params, s.pp + s.tg // 2, integer)
+        measured = not self.emulated and bool(self.profile.memory_bandwidth_gbs)
+        return set_against(bounds, lat["decode_tps"]["median"], lat["prefill_tps"]["median"], measured)
 
     def close(self):
         self.sub.close()

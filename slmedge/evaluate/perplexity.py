@@ -119,11 +119,10 @@ def log_softmax_np(x):
 
 
 def runtime_perplexity(runtime, encoder, text: str, seqlen: int = 512, stride: int | None = None,
-                       max_windows: int | None = None, progress=None, label: str = "perplexity",
-                       keep_logprobs: bool = False):
+                       max_windows: int | None = None, progress=None, label: str = "perplexity"):
     """Perplexity, bits per byte and a standard error of ``text`` in any runtime.
 
-    Returns (PerplexityResult, per-window list of (token ids, first scored index, log-probs or None)).
+    Returns (PerplexityResult, per-window list of (token ids, first scored index)).
     """
     import numpy as np
 
@@ -134,13 +133,13 @@ def runtime_perplexity(runtime, encoder, text: str, seqlen: int = 512, stride: i
     nlls, total_bytes, kept = [], 0, []
     for i, (start, stop, first) in enumerate(wins):
         window = ids[start:stop]
-        lp = log_softmax_np(runtime.logits(window))
         k = first - start  # first scored position within the window
-        targets = np.asarray(window[k:])
-        nll = -lp[np.arange(k - 1, len(window) - 1), targets]
-        nlls.append(nll)
+        # Each next token's log-probability (the runtime reduces the logits; a remote target
+        # sends back one number per token, not a vocabulary-wide row).
+        lp, _ = runtime.continuation_scores(window[:1], [window[1:]])[0]
+        nlls.append(-np.asarray(lp[k - 1 :], dtype=np.float64))
         total_bytes += covered_bytes(ends, first, stop)
-        kept.append((window, k, lp[k - 1 : len(window) - 1].astype(np.float32) if keep_logprobs else None))
+        kept.append((window, k))
         if progress:
             progress(label, i + 1, len(wins))
     all_nll = np.concatenate(nlls)

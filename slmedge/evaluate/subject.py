@@ -107,7 +107,9 @@ def _cached_export(folder: Path, fmt: str) -> Path:
 
 
 def open_subject(spec: str | None, runtime: str | None = None, threads: int | None = None, n_ctx: int = 2048,
-                 device: str = "cpu", trust_remote_code: bool = False) -> Subject:
+                 device: str = "cpu", trust_remote_code: bool = False, factory=None) -> Subject:
+    """``factory(runtime, path, threads, n_ctx)``, when given, opens llama.cpp and onnxruntime files
+    (a target's runner, a GPU back end); by default they open here on the CPU."""
     from ..models.source import load, resolve
 
     spec = None if spec is None else str(spec)
@@ -128,27 +130,30 @@ def open_subject(spec: str | None, runtime: str | None = None, threads: int | No
             loaded = load(str(path))
             return _torch_subject(spec_s, loaded, threads, device, None, {"kind": "gguf", "path": str(path.resolve()),
                                                                           "sha256": sha256_file(path)})
-        run = LlamaCppRuntime(path, threads, n_ctx=n_ctx)
+        run = factory("llama.cpp", path, threads, n_ctx) if factory else LlamaCppRuntime(path, threads, n_ctx=n_ctx)
         manifest = _gguf_manifest(run.metadata)
         base = _export_base(manifest)
         ident = {"kind": "gguf", "path": str(path.resolve()), "sha256": sha256_file(path), "label": path.name,
                  "qtype": (manifest or {}).get("qtype")}
-        return Subject(spec_s, run, LlamaCppEncoder(run.llm), ident, file=path, params=run.n_params,
-                       base_spec=base)
+        return Subject(spec_s, run, LlamaCppEncoder(getattr(run, "llm", None) or _vocab(path)), ident, file=path,
+                       params=run.n_params, base_spec=base)
     if implied == "onnxruntime":
         if rt != "onnxruntime":
             raise ConfigError(f"{path} is an ONNX export: it runs in onnxruntime (evaluate its source for {rt})")
-        run = OnnxRuntime(path, threads)
-        folder = run.path.parent
+        from ..runtimes.ort import model_file
+
+        run = factory("onnxruntime", model_file(path), threads, n_ctx) if factory else OnnxRuntime(path, threads)
+        folder = model_file(path).parent
         manifest = None
         if (folder / "slmedge-export.json").is_file():
             manifest = json.loads((folder / "slmedge-export.json").read_text(encoding="utf-8"))
         encoder = _hf_encoder(folder, trust_remote_code)
-        files = [p for p in folder.iterdir() if p.is_file() and p.name.startswith(run.path.name)]
-        ident = {"kind": "onnx", "path": str(run.path.resolve()), "sha256": _sha256_files(files),
-                 "label": folder.name if run.path.name == "model.onnx" else run.path.name,
+        onnx_file = model_file(path)
+        files = [p for p in folder.iterdir() if p.is_file() and p.name.startswith(onnx_file.name)]
+        ident = {"kind": "onnx", "path": str(onnx_file.resolve()), "sha256": _sha256_files(files),
+                 "label": folder.name if onnx_file.name == "model.onnx" else onnx_file.name,
                  "qtype": (manifest or {}).get("type")}
-        return Subject(spec_s, run, encoder, ident, file=run.path, params=_onnx_params(run.path),
+        return Subject(spec_s, run, encoder, ident, file=onnx_file, params=_onnx_params(onnx_file),
                        base_spec=_export_base(manifest))
 
     # --- model sources: torch, or exported for the other runtimes ------------------------------
@@ -161,7 +166,7 @@ def open_subject(spec: str | None, runtime: str | None = None, threads: int | No
 
     folder = source_folder(spec)
     exported = _cached_export(folder, "gguf" if rt == "llama.cpp" else "onnx")
-    sub = open_subject(str(exported), rt, threads, n_ctx, device, trust_remote_code)
+    sub = open_subject(str(exported), rt, threads, n_ctx, device, trust_remote_code, factory)
     sub.spec = spec_s
     sub.identity["exported_from"] = str(folder)
     sub.identity["label"] = f"{Path(spec_s).name} ({rt})"
@@ -170,6 +175,14 @@ def open_subject(spec: str | None, runtime: str | None = None, threads: int | No
     elif sub.base_spec is None:
         sub.base_spec = None
     return sub
+
+
+def _vocab(path: Path):
+    """llama.cpp's tokenizer of a GGUF file without its weights (the model runs elsewhere)."""
+    from ..runtimes.native import quiet_native_stderr, require_llama_cpp
+
+    with quiet_native_stderr():
+        return require_llama_cpp().Llama(model_path=str(path), vocab_only=True, verbose=False)
 
 
 def _torch_subject(spec, loaded, threads, device, base, identity) -> Subject:

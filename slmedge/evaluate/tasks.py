@@ -128,26 +128,34 @@ def score_pairs(runtime, pairs: list[tuple[list[int], list[int]]], max_length: i
     groups: dict[tuple, list[int]] = {}
     for i, (ctx, _) in enumerate(pairs):
         groups.setdefault(tuple(ctx), []).append(i)
+    batch = []
     for ctx, idx in groups.items():
         conts = [pairs[i][1] for i in idx]
         ctx_l = list(ctx)
         longest = len(ctx_l) + max(len(c) for c in conts)
         if longest > max_length + 1:
             ctx_l = ctx_l[longest - max_length - 1 :]
-        for i, scored in zip(idx, runtime.continuation_scores(ctx_l, conts)):
-            results[i] = scored
+        batch.append((ctx_l, conts))
+    for idx, scored in zip(groups.values(), runtime.score_groups(batch)):
+        for i, s in zip(idx, scored):
+            results[i] = s
     return results
 
 
-def score_request(runtime, encoder, req: Request, max_length: int = 2048) -> ItemScore:
-    pairs = [encode_pair(encoder, c, x) for c, x in zip(req.contexts, req.continuations)]
-    lls = [float(lp.sum()) for lp, _ in score_pairs(runtime, pairs, max_length)]
-    pred = int(np.argmax(lls))
-    if req.norm_lengths is not None:
-        pred_norm = int(np.argmax([ll / max(n, 1) for ll, n in zip(lls, req.norm_lengths)]))
-    else:
-        pred_norm = pred
-    return ItemScore(lls, pred, pred_norm, req.gold)
+def score_requests(runtime, encoder, reqs: list[Request], max_length: int = 2048) -> list[ItemScore]:
+    pairs = [encode_pair(encoder, c, x) for req in reqs for c, x in zip(req.contexts, req.continuations)]
+    lls_all = [float(lp.sum()) for lp, _ in score_pairs(runtime, pairs, max_length)]
+    out, at = [], 0
+    for req in reqs:
+        lls = lls_all[at : at + len(req.contexts)]
+        at += len(req.contexts)
+        pred = int(np.argmax(lls))
+        if req.norm_lengths is not None:
+            pred_norm = int(np.argmax([ll / max(n, 1) for ll, n in zip(lls, req.norm_lengths)]))
+        else:
+            pred_norm = pred
+        out.append(ItemScore(lls, pred, pred_norm, req.gold))
+    return out
 
 
 def mean_stderr(values) -> float:
@@ -165,13 +173,14 @@ def summarize(scores: list[ItemScore], has_norm: bool) -> dict:
 
 
 def run_task(runtime, encoder, name: str, data=None, limit: int | None = None, max_length: int = 2048,
-             progress=None) -> tuple[dict, list[ItemScore]]:
+             progress=None, chunk: int = 32) -> tuple[dict, list[ItemScore]]:
     reqs = load_task(name, data, limit)
     scores = []
-    for i, req in enumerate(reqs):
-        scores.append(score_request(runtime, encoder, req, max_length))
+    # Items are scored in chunks, so runtimes that batch across contexts can, and progress moves.
+    for start in range(0, len(reqs), chunk):
+        scores.extend(score_requests(runtime, encoder, reqs[start : start + chunk], max_length))
         if progress:
-            progress(name, i + 1, len(reqs))
+            progress(name, len(scores), len(reqs))
     return summarize(scores, reqs[0].norm_lengths is not None), scores
 
 

@@ -7,14 +7,13 @@ known to be) and nothing built on it can be trusted, so slmedge refuses it.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 
 import numpy as np
 import torch
 
 from ..errors import GGUFImportMismatchError
+from ..runtimes.native import quiet_native_stderr, vocab_only  # noqa: F401 - re-exported
 
 PROBE = (
     "The quick brown fox jumps over the lazy dog. In 1969, astronauts first walked on the Moon, "
@@ -50,41 +49,8 @@ def compare_logits(reference: np.ndarray, candidate: np.ndarray) -> dict:
     }
 
 
-@contextlib.contextmanager
-def quiet_native_stderr():
-    """Silence what llama.cpp's C code prints on fd 2 even with verbose=False."""
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # no real stderr (e.g. captured by a test runner)
-        yield
-        return
-    saved = os.dup(fd)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), fd)
-            yield
-    finally:
-        os.dup2(saved, fd)
-        os.close(saved)
-
-
-@contextlib.contextmanager
-def vocab_only(gguf_path):
-    """llama.cpp's vocabulary and metadata of a GGUF file, without its weights; closed afterwards.
-    A file llama.cpp cannot read raises ValueError on entry."""
-    from .source import require_llama_cpp
-
-    llama_cpp = require_llama_cpp()
-    with quiet_native_stderr():
-        llm = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
-    try:
-        yield llm
-    finally:
-        llm.close()
-
-
 def llamacpp_logits(gguf_path, token_ids: list[int], n_threads: int | None = None) -> np.ndarray:
-    from .source import require_llama_cpp
+    from ..runtimes.native import require_llama_cpp
 
     llama_cpp = require_llama_cpp()
     with quiet_native_stderr():

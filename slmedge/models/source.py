@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelLoadError, ModelNotFoundError, RuntimeNotInstalledError, SlmedgeError
+from ..runtimes.native import require_llama_cpp  # noqa: F401 - re-exported
+from ..errors import ModelLoadError, ModelNotFoundError, SlmedgeError
 from ..fsutil import atomic_directory, sha256_file, write_json_atomic
 from ..paths import cache_dir
 from .architectures import Architecture, architecture_for
@@ -273,16 +274,6 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
         tokenizer.save_pretrained(tmp)
         write_json_atomic(tmp / SOURCE_FILE, record)
     return dest
-
-
-def require_llama_cpp():
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError as exc:
-        raise RuntimeNotInstalledError(
-            "llama.cpp's Python binding is not installed (needed to check GGUF files): pip install llama-cpp-python"
-        ) from exc
-    return llama_cpp
 
 
 __all__ = ["DEFAULT_MODEL", "EMBEDDED", "LoadedModel", "ModelSource", "SlmedgeError", "load", "resolve"]

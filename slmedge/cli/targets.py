@@ -1,0 +1,186 @@
+"""slmedge targets: list, show, check and set up the places an evaluation can run."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.table import Column, Table
+
+from .common import console, errors_to_exit
+
+targets_app = typer.Typer(help="Target profiles: list, show, check, setup.", no_args_is_help=True,
+                          rich_markup_mode=None)
+
+
+def _num(v, unit="") -> str:
+    return "-" if not v else f"{v:g}{unit}"
+
+
+@targets_app.command("list")
+def list_command():
+    """List the target profiles (targets/*.toml, ~/.config/slmedge/targets, $SLMEDGE_TARGETS).
+
+    \b
+    Example:
+      slmedge targets list
+    """
+    from ..targets.profiles import all_profiles
+
+    with errors_to_exit():
+        profiles = all_profiles()
+    t = Table("transport", "arch", "cores", "RAM GiB", "GB/s", "fp32 GFLOP/s", "runtimes")
+    t.columns.insert(0, Column("name", no_wrap=True, min_width=max(len(n) for n in profiles) if profiles else 4))
+    for p in profiles.values():
+        t.add_row(p.name, p.transport, p.arch, _num(p.cores) if not p.detect else "detect",
+                  _num(p.ram_gb) if not p.detect else "detect",
+                  _num(p.memory_bandwidth_gbs) if not p.detect else "measured",
+                  _num(p.peak_fp32_gflops) if not p.detect else "measured", ", ".join(p.runtimes))
+    console.print(t)
+    console.print("details: slmedge targets show NAME; your own: a .toml file in ~/.config/slmedge/targets")
+
+
+@targets_app.command("show")
+def show_command(name: str = typer.Argument(..., help="Target name or .toml file."),
+                 model: Optional[str] = typer.Option(None, "--model", help="A .gguf/.onnx file: project its "
+                                                     "decode and prefill rooflines on this target."),
+                 context: int = typer.Option(640, "--context", help="Tokens in the KV cache for the projection."),
+                 as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+                 remeasure: bool = typer.Option(False, "--remeasure", help="cpu/cuda: measure bandwidth and "
+                                                "compute again (run it with the machine otherwise idle).")):
+    """Show one profile (the cpu profile with this machine's measured bandwidth and compute),
+    and optionally a model's roofline projection on it.
+
+    \b
+    Examples:
+      slmedge targets show cpu
+      slmedge targets show raspberry-pi-5 --model model.gguf
+    """
+    from ..targets.profiles import get_profile, profile_dict
+
+    with errors_to_exit():
+        if remeasure:
+            from ..paths import cache_dir
+
+            for f in ("cpu-measured.json", "cuda-measured.json"):
+                (cache_dir() / "targets" / f).unlink(missing_ok=True)
+        prof = get_profile(name)
+        data = profile_dict(prof)
+        if model:
+            data["projection"] = _projection(prof, model, context)
+    if as_json:
+        print(json.dumps(data, indent=2, default=str))
+        return
+    t = Table("field", "value", title=f"target {prof.name}")
+    for k, v in data.items():
+        if k != "projection" and v not in (None, "", [], {}):
+            t.add_row(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
+    console.print(t)
+    if model:
+        p = data["projection"]
+        t = Table("bound", "tokens/s", title=f"{p['model']} on {prof.name}: {p['label']}")
+        if p.get("decode_bound_tps"):
+            t.add_row(f"decode ({p['decode_bytes_per_token'] / 1e6:.1f} MB/token)", f"{p['decode_bound_tps']:.1f}")
+        if p.get("prefill_bound_tps"):
+            t.add_row(f"prefill ({p['prefill_peak']})", f"{p['prefill_bound_tps']:.1f}")
+        console.print(t)
+
+
+def _projection(prof, model: str, context: int) -> dict:
+    from pathlib import Path
+
+    from ..errors import ConfigError
+    from ..evaluate.system import kv_cache_bytes
+    from ..targets.roofline import roofline, set_against
+    from ..targets.session import model_bytes
+
+    path = Path(model)
+    if not path.is_file() or path.suffix not in (".gguf", ".onnx"):
+        raise ConfigError(f"--model takes a .gguf or .onnx file; {model} is not one")
+    if path.suffix == ".gguf":
+        from ..runtimes import gguf_metadata
+
+        md = gguf_metadata(path)
+        arch = md.get("general.architecture", "")
+        get = lambda k: int(md[f"{arch}.{k}"]) if f"{arch}.{k}" in md else None  # noqa: E731
+        config = {"num_hidden_layers": get("block_count"), "num_attention_heads": get("attention.head_count"),
+                  "num_key_value_heads": get("attention.head_count_kv"), "head_dim": get("attention.key_length"),
+                  "hidden_size": get("embedding_length")}
+        from ..models.gguf_check import vocab_only
+
+        with vocab_only(path) as llm:
+            params = int(llm._model.n_params()) if hasattr(llm, "_model") else None
+        ftype = str(md.get("general.file_type", ""))
+        integer = ftype not in ("0", "1")  # ALL_F32, MOSTLY_F16
+        kv = kv_cache_bytes(config, 1, 2)
+    else:
+        from ..export.inspect import inspect_onnx
+
+        info = inspect_onnx(path)
+        params = info.get("params")
+        cfg = path.parent / "config.json"
+        kv = kv_cache_bytes(json.loads(cfg.read_text()), 1, 4) if cfg.is_file() else None
+        integer = "MatMulNBits" in json.dumps(info.get("ops", {})) or "MatMulInteger" in json.dumps(info.get("ops", {}))
+    bounds = roofline(prof, model_bytes(path), kv, params, context, integer)
+    out = set_against(bounds, None, None, measured=False)
+    out["model"] = path.name
+    return out
+
+
+@targets_app.command("check")
+def check_command(name: str = typer.Argument(..., help="Target name or .toml file.")):
+    """Check that a target is reachable and has what it needs (with a fix for what is missing).
+
+    \b
+    Examples:
+      slmedge targets check arm64
+      slmedge targets check cuda
+    """
+    from ..targets.profiles import get_profile
+    from ..targets.transports import transport_for
+
+    with errors_to_exit():
+        prof = get_profile(name)
+        checks = transport_for(prof).checks()
+    t = Table("check", "ok", "detail", "fix", title=f"target {prof.name} ({prof.transport})")
+    for c in checks:
+        t.add_row(c.what, "yes" if c.ok else "NO", c.detail, c.hint)
+    console.print(t)
+    if not all(c.ok for c in checks):
+        raise typer.Exit(1)
+
+
+@targets_app.command("setup")
+def setup_command(name: str = typer.Argument(..., help="An emulated target (arm64)."),
+                  rebuild: bool = typer.Option(False, "--rebuild", help="Start from nothing."),
+                  no_llama_cpp: bool = typer.Option(False, "--no-llama-cpp", help="Skip the llama.cpp cross build."),
+                  if_needed: bool = typer.Option(False, "--if-needed", help="Do nothing when the environment "
+                                                 "is already built for this slmedge and llama-cpp-python.")):
+    """Build an emulated target's environment once into the user cache: qemu, an aarch64 Python,
+    onnxruntime and an aarch64 build of llama.cpp.
+
+    \b
+    Example:
+      slmedge targets setup arm64
+    """
+    from ..errors import ConfigError
+    from ..targets.emulation import setup_arm64
+    from ..targets.profiles import get_profile
+
+    with errors_to_exit():
+        prof = get_profile(name)
+        if prof.transport != "emulated":
+            raise ConfigError(f"target '{prof.name}' ({prof.transport}) needs no setup; `slmedge targets check "
+                              f"{prof.name}` says what it has")
+        if if_needed:
+            from ..targets.emulation import up_to_date
+
+            if up_to_date():
+                console.print(f"target {prof.name}: environment already built")
+                return
+        m = setup_arm64(prof, log=lambda msg: console.print(f"setup: {msg}", markup=False, highlight=False),
+                        rebuild=rebuild, llama_cpp=not no_llama_cpp)
+    v = m.get("versions", {})
+    console.print(f"ready: Python {v.get('python')} on {v.get('machine')} (emulated {m['qemu_cpu']}), "
+                  f"onnxruntime {v.get('onnxruntime')}, llama.cpp {v.get('llama.cpp')} — {m['seconds']:.0f} s")

@@ -1,0 +1,173 @@
+"""Target profiles: one TOML file per target (``targets/*.toml`` in the repository, the user's
+``~/.config/slmedge/targets`` and ``$SLMEDGE_TARGETS``; a later folder's file of the same name
+wins).
+
+    name = "raspberry-pi-5"
+    transport = "ssh"            # local | emulated | ssh | cuda
+    arch = "aarch64"
+    cores = 4
+    threads = 4
+    ram_gb = 8
+    memory_bandwidth_gbs = 17.1  # peak DRAM bandwidth (decode roofline)
+    peak_fp32_gflops = 76.8      # prefill roofline, float models
+    peak_int8_gops = 307.2       # prefill roofline, integer-kernel models
+    runtimes = ["llama.cpp", "onnxruntime"]
+    [ssh]  host = "pi5.local" ...
+
+Files are validated strictly: an unknown key or a wrong type is an error naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from ..errors import ConfigError, SlmedgeError
+
+TARGETS_ENV = "SLMEDGE_TARGETS"
+TRANSPORTS = ("local", "emulated", "ssh", "cuda")
+RUNTIME_NAMES = ("torch", "onnxruntime", "llama.cpp")
+
+
+class UnknownTargetError(ConfigError):
+    """No profile of that name."""
+
+
+@dataclass
+class SshSettings:
+    host: str = ""
+    user: str = ""
+    port: int = 22
+    key: str = ""  # private key file; empty: ssh's defaults / agent
+    known_hosts: str = ""  # empty: ~/.ssh/known_hosts
+    python: str = "python3"
+    workdir: str = ".cache/slmedge-runner"  # relative to the remote home
+    connect_timeout_s: float = 10.0
+    command_timeout_s: float = 3600.0
+
+
+@dataclass
+class Profile:
+    name: str
+    transport: str
+    description: str = ""
+    arch: str = "x86_64"
+    cores: int = 0
+    threads: int = 0
+    ram_gb: float = 0.0
+    memory_bandwidth_gbs: float = 0.0
+    peak_fp32_gflops: float = 0.0
+    peak_int8_gops: float = 0.0
+    runtimes: list[str] = field(default_factory=lambda: list(RUNTIME_NAMES))
+    default_runtime: str = ""
+    detect: bool = False  # cpu: cores, RAM, bandwidth and compute measured on this machine
+    qemu_cpu: str = ""  # emulated: the CPU model qemu emulates
+    gpu_layers: int = -1  # cuda: llama.cpp layers offloaded (-1: all)
+    source: str = ""  # where the published figures come from
+    ssh: SshSettings | None = None
+    file: str = ""
+    measured: dict = field(default_factory=dict)
+
+    @property
+    def emulated(self) -> bool:
+        return self.transport == "emulated"
+
+
+_TYPES = {"name": str, "transport": str, "description": str, "arch": str, "cores": int, "threads": int,
+          "ram_gb": (int, float), "memory_bandwidth_gbs": (int, float), "peak_fp32_gflops": (int, float),
+          "peak_int8_gops": (int, float), "runtimes": list, "default_runtime": str, "detect": bool, "qemu_cpu": str,
+          "gpu_layers": int, "source": str, "ssh": dict}
+_SSH_TYPES = {"host": str, "user": str, "port": int, "key": str, "known_hosts": str, "python": str, "workdir": str,
+              "connect_timeout_s": (int, float), "command_timeout_s": (int, float)}
+
+
+def _check(table: dict, types: dict, where: str) -> None:
+    for key, value in table.items():
+        if key not in types:
+            raise ConfigError(f"{where}: unknown key '{key}' (known: {', '.join(types)})")
+        want = types[key]
+        if isinstance(value, bool) and want is not bool or not isinstance(value, want):
+            name = want.__name__ if isinstance(want, type) else "number"
+            raise ConfigError(f"{where}: '{key}' must be a {name}, got {value!r}")
+
+
+def parse_profile(path: Path) -> Profile:
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read target profile {path}: {exc}") from exc
+    where = str(path)
+    _check(data, _TYPES, where)
+    data.setdefault("name", Path(path).stem)
+    if "transport" not in data:
+        raise ConfigError(f"{where}: 'transport' is required ({' | '.join(TRANSPORTS)})")
+    if data["transport"] not in TRANSPORTS:
+        raise ConfigError(f"{where}: transport '{data['transport']}' is not one of {', '.join(TRANSPORTS)}")
+    bad = [r for r in data.get("runtimes", []) if r not in RUNTIME_NAMES]
+    if bad:
+        raise ConfigError(f"{where}: unknown runtime '{bad[0]}' (known: {', '.join(RUNTIME_NAMES)})")
+    ssh = data.pop("ssh", None)
+    if ssh is not None:
+        _check(ssh, _SSH_TYPES, f"{where} [ssh]")
+        data["ssh"] = SshSettings(**ssh)
+    if data["transport"] == "ssh" and data.get("ssh") is None:
+        raise ConfigError(f"{where}: an ssh target needs an [ssh] table with host = ...")
+    if data["transport"] in ("ssh", "emulated") and "torch" in data.get("runtimes", []):
+        raise ConfigError(f"{where}: the runner on {data['transport']} targets runs llama.cpp and onnxruntime, not torch")
+    if data["transport"] in ("ssh", "emulated"):
+        data.setdefault("runtimes", ["llama.cpp", "onnxruntime"])
+    for key in ("cores", "threads"):
+        if data.get(key, 0) < 0:
+            raise ConfigError(f"{where}: '{key}' must not be negative")
+    prof = Profile(**data, file=str(path))
+    if prof.threads == 0:
+        prof.threads = prof.cores
+    return prof
+
+
+def profile_dirs() -> list[Path]:
+    """Folders searched for profiles, lowest priority first."""
+    repo = Path(__file__).resolve().parents[2] / "targets"
+    user = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "slmedge" / "targets"
+    extra = [Path(p).expanduser() for p in os.environ.get(TARGETS_ENV, "").split(os.pathsep) if p]
+    return [repo, user, *extra]
+
+
+def all_profiles() -> dict[str, Profile]:
+    found: dict[str, Profile] = {}
+    for d in profile_dirs():
+        if d.is_dir():
+            for f in sorted(d.glob("*.toml")):
+                prof = parse_profile(f)
+                found[prof.name] = prof
+    return found
+
+
+def get_profile(name: str) -> Profile:
+    p = Path(name)
+    if p.suffix == ".toml" and p.is_file():
+        prof = parse_profile(p)
+    else:
+        profiles = all_profiles()
+        if name not in profiles:
+            raise UnknownTargetError(f"unknown target '{name}'; known: {', '.join(sorted(profiles)) or 'none'} "
+                                     f"(profiles are read from {', '.join(str(d) for d in profile_dirs())})")
+        prof = profiles[name]
+    if prof.detect:
+        from .roofline import detect_cuda, detect_this_machine
+
+        detect_cuda(prof) if prof.transport == "cuda" else detect_this_machine(prof)
+    return prof
+
+
+def profile_dict(prof: Profile) -> dict:
+    out = {f.name: getattr(prof, f.name) for f in fields(prof) if f.name != "ssh"}
+    if prof.ssh is not None:
+        out["ssh"] = dict(prof.ssh.__dict__)
+    return out
+
+
+class TargetError(SlmedgeError):
+    """A target cannot run this evaluation (unreachable, missing runtime, too little RAM...)."""

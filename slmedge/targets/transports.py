@@ -1,0 +1,324 @@
+"""How a runner reaches a target: a child process here, an aarch64 Python under qemu user mode,
+or a device's Python over ssh. Each transport starts ``slmedge.targets.runner`` (shipped as one
+zip file), places model files where the runner can read them, and checks what the target has.
+
+No shell string is built from user input: local and emulated runners are started from argument
+lists; over ssh the remote command is fixed words plus paths that must match a strict pattern
+and are quoted besides. Host keys are checked (``StrictHostKeyChecking=yes``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError, RuntimeNotInstalledError
+from ..runtimes.remote import RunnerProcess, TargetRuntimeError
+from .profiles import Profile, TargetError
+
+_BUNDLE = ["__init__.py", "errors.py", "runtimes/__init__.py", "runtimes/ort.py", "runtimes/native.py",
+           "runtimes/wire.py", "runtimes/memprobe.py", "targets/__init__.py", "targets/runner.py"]
+_MAIN = "import sys\nfrom slmedge.targets.runner import main\nsys.exit(main())\n"
+
+
+def runner_bundle() -> Path:
+    """The runner as one zip file Python can run (``python runner.pyz``), built into the cache."""
+    from ..paths import cache_dir
+
+    pkg = Path(__file__).resolve().parents[1]
+    blobs = {f"slmedge/{rel}": (pkg / rel).read_bytes() for rel in _BUNDLE}
+    digest = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(blobs.items())) + _MAIN.encode()).hexdigest()
+    out = cache_dir() / "targets" / f"runner-{digest[:16]}.pyz"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+            z.writestr("__main__.py", _MAIN)
+            for name, data in sorted(blobs.items()):
+                z.writestr(name, data)
+        os.replace(tmp, out)
+    return out
+
+
+@dataclass
+class Check:
+    what: str
+    ok: bool
+    detail: str = ""
+    hint: str = ""
+
+
+class Transport:
+    emulated = False
+
+    def __init__(self, profile: Profile):
+        self.profile = profile
+
+    @property
+    def where(self) -> str:
+        return f"target '{self.profile.name}'"
+
+    def runner_argv(self, args: list[str]) -> list[str]:
+        raise NotImplementedError
+
+    def runner_env(self) -> dict | None:
+        return None
+
+    def put(self, path: Path) -> str:
+        """Make a model file readable by the runner; its path there."""
+        return str(Path(path).resolve())
+
+    def start(self) -> RunnerProcess:
+        return RunnerProcess(self.runner_argv([]), self.where, env=self.runner_env(), timeout=self.timeout,
+                             describe_exit=self.describe_exit)
+
+    timeout: float | None = None
+
+    def describe_exit(self, code, stderr: str):
+        return None
+
+    def versions(self) -> dict:
+        """Python, numpy and runtime versions the runner sees on the target."""
+        import json
+
+        try:
+            proc = subprocess.run(self.runner_argv(["versions"]), capture_output=True, text=True,
+                                  env=self.runner_env(), timeout=self.timeout or 600)
+        except subprocess.TimeoutExpired as exc:
+            raise TargetError(f"{self.where}: the runner did not answer within {self.timeout or 600:.0f} s") from exc
+        except OSError as exc:
+            raise TargetError(f"{self.where}: cannot start the runner: {exc}") from exc
+        if proc.returncode != 0:
+            err = self.describe_exit(proc.returncode, proc.stderr.strip())
+            if err is not None:
+                raise err
+            raise TargetError(f"{self.where}: the runner failed: {proc.stderr.strip()[-400:] or proc.returncode}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def memprobe(self, runtime: str, path: str, threads: int, tokens: int = 128) -> dict:
+        import json
+
+        proc = subprocess.run(self.runner_argv(["memprobe", runtime, path, str(threads), str(tokens)]),
+                              capture_output=True, text=True, env=self.runner_env(), timeout=self.timeout or 3600)
+        if proc.returncode != 0:
+            raise TargetRuntimeError(f"{self.where}: the memory probe failed: {proc.stderr.strip()[-300:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def checks(self) -> list[Check]:
+        out = []
+        try:
+            v = self.versions()
+        except (TargetError, TargetRuntimeError) as exc:
+            return [Check("runner starts", False, str(exc), self.start_hint())]
+        out.append(Check("runner starts", True, f"Python {v.get('python')} on {v.get('machine')}, numpy {v.get('numpy')}"))
+        for rt in self.profile.runtimes:
+            if rt == "torch":
+                continue
+            have = v.get(rt)
+            out.append(Check(f"runtime {rt}", bool(have), f"version {have}" if have else "not importable",
+                             "" if have else self.runtime_hint(rt)))
+        return out
+
+    def start_hint(self) -> str:
+        return ""
+
+    def runtime_hint(self, runtime: str) -> str:
+        pkg = {"llama.cpp": "llama-cpp-python", "onnxruntime": "onnxruntime"}[runtime]
+        return f"pip install {pkg} (in the Python the target runs)"
+
+    def require_runtime(self, runtime: str, versions: dict) -> None:
+        if not versions.get(runtime):
+            raise RuntimeNotInstalledError(f"{self.where} has no {runtime}: {self.runtime_hint(runtime)}")
+
+
+class LocalChild(Transport):
+    """This machine, the runner in a child process (the reference the other transports are
+    compared with)."""
+
+    def runner_argv(self, args):
+        return [sys.executable, str(runner_bundle()), *args]
+
+    def runner_env(self):
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)
+        return env
+
+
+# --- ssh --------------------------------------------------------------------------------------
+
+_SAFE = re.compile(r"^[A-Za-z0-9_./~+-][A-Za-z0-9_./~+@:-]*$")
+
+
+def _safe(value: str, what: str) -> str:
+    if not _SAFE.match(value or "") or ".." in value.split("/"):
+        raise ConfigError(f"{what} {value!r} has characters slmedge does not pass to a remote command "
+                          "(letters, digits and _ . / ~ + - only)")
+    return value
+
+
+class SshTransport(Transport):
+    def __init__(self, profile: Profile):
+        super().__init__(profile)
+        s = profile.ssh
+        self.s = s
+        if not s.host:
+            raise ConfigError(f"target '{profile.name}' has no [ssh] host: copy {profile.file} to "
+                              f"~/.config/slmedge/targets/ (or $SLMEDGE_TARGETS) and set host, user and key")
+        _safe(s.host, "ssh host")
+        if s.user:
+            _safe(s.user, "ssh user")
+        _safe(s.python, "remote python")
+        _safe(s.workdir, "remote workdir")
+        self.timeout = s.command_timeout_s
+
+    @property
+    def where(self) -> str:
+        return f"target '{self.profile.name}' ({self.dest})"
+
+    @property
+    def dest(self) -> str:
+        return f"{self.s.user}@{self.s.host}" if self.s.user else self.s.host
+
+    def _opts(self) -> list[str]:
+        s = self.s
+        known = s.known_hosts or str(Path.home() / ".ssh" / "known_hosts")
+        opts = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known}",
+                "-o", f"ConnectTimeout={max(1, int(s.connect_timeout_s))}", "-o", "ServerAliveInterval=15",
+                "-o", "ServerAliveCountMax=4", "-o", "LogLevel=ERROR"]
+        if s.key:
+            opts += ["-i", str(Path(s.key).expanduser()), "-o", "IdentitiesOnly=yes"]
+        return opts
+
+    def _ssh(self, words: list[str]) -> list[str]:
+        remote = " ".join(shlex.quote(w) for w in words)
+        return ["ssh", *self._opts(), "-p", str(self.s.port), "--", self.dest, remote]
+
+    def _run(self, words: list[str], timeout: float | None = None, stdin: bytes | None = None):
+        try:
+            proc = subprocess.run(self._ssh(words), input=stdin, capture_output=True,
+                                  timeout=timeout or self.s.connect_timeout_s + 60)
+        except subprocess.TimeoutExpired as exc:
+            raise TargetError(f"{self.where}: no answer within {timeout or self.s.connect_timeout_s + 60:.0f} s") from exc
+        if proc.returncode == 255:
+            raise self.describe_exit(255, proc.stderr.decode("utf-8", "replace"))
+        return proc
+
+    def describe_exit(self, code, stderr: str):
+        if code != 255:
+            return None
+        text = stderr.strip().splitlines()[-1] if stderr.strip() else "ssh failed"
+        low = stderr.lower()
+        if "host key verification failed" in low or "no matching host key" in low:
+            return TargetError(f"{self.where}: host key verification failed — add the host's key to "
+                               f"{self.s.known_hosts or '~/.ssh/known_hosts'} (ssh-keyscan, checked by hand)")
+        if "permission denied" in low or "too many authentication failures" in low:
+            return TargetError(f"{self.where}: authentication failed ({text}); check [ssh] user and key")
+        if "timed out" in low or "refused" in low or "no route" in low or "could not resolve" in low \
+                or "unreachable" in low or "closed by remote host" in low:
+            return TargetError(f"{self.where}: unreachable ({text})")
+        return TargetError(f"{self.where}: ssh failed: {text}")
+
+    def _remote(self, name: str) -> str:
+        return f"{self.s.workdir.rstrip('/')}/{name}"
+
+    def _ensure(self, local: Path, name: str) -> str:
+        """Copy ``local`` to the work folder unless the same bytes are there (checked by sha256)."""
+        from ..fsutil import sha256_file
+
+        remote = self._remote(name)
+        want = sha256_file(local)
+        proc = self._run(["sha256sum", remote])
+        if proc.returncode == 0 and proc.stdout.split()[:1] == [want.encode()]:
+            return remote
+        self._run(["mkdir", "-p", remote.rsplit("/", 1)[0]])
+        tmp = f"{remote}.part"
+        dst = f"{self.dest}:{tmp}"
+        scp = ["scp", "-q", *self._opts(), "-P", str(self.s.port), str(local), dst]
+        try:
+            proc = subprocess.run(scp, capture_output=True, timeout=self.s.command_timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise TargetError(f"{self.where}: copying {local.name} did not finish in {self.s.command_timeout_s:.0f} s") \
+                from exc
+        if proc.returncode != 0:
+            raise self.describe_exit(255, proc.stderr.decode("utf-8", "replace")) or \
+                TargetError(f"{self.where}: copying {local.name} failed")
+        self._run(["mv", "-f", tmp, remote])
+        return remote
+
+    def runner_argv(self, args):
+        remote = self._ensure(runner_bundle(), "runner.pyz")
+        return self._ssh([self.s.python, remote, *args])
+
+    def put(self, path: Path) -> str:
+        """The model file (an ONNX file with its external-data files beside it) in a folder of the
+        work folder named after its local path; files already there with the same bytes are kept."""
+        path = Path(path).resolve()
+        folder = f"models/{path.parent.name}-{hashlib.sha256(str(path).encode()).hexdigest()[:10]}"
+        files = [path]
+        if path.suffix == ".onnx":
+            files += sorted(p for p in path.parent.iterdir() if p.is_file() and p.name.startswith(path.name)
+                            and p != path)
+        for f in files:
+            _safe(f.name, "model file name")
+            self._ensure(f, f"{folder}/{f.name}")
+        return self._remote(f"{folder}/{path.name}")
+
+    def start_hint(self):
+        return f"ssh {self.dest} -p {self.s.port} must work without a password (key in [ssh] key, host key known)"
+
+
+# --- cuda -------------------------------------------------------------------------------------
+
+
+class CudaTransport(Transport):
+    """The GPU back ends of this machine's runtimes, in process."""
+
+    def checks(self) -> list[Check]:
+        out = []
+        try:
+            import torch
+
+            ok = torch.cuda.is_available()
+            out.append(Check("torch CUDA", ok, torch.cuda.get_device_name(0) if ok else f"torch {torch.__version__}: "
+                             "no CUDA device", "" if ok else "a CUDA build of torch and an NVIDIA driver"))
+        except ImportError:
+            out.append(Check("torch CUDA", False, "torch missing", "pip install torch"))
+        try:
+            import onnxruntime as ort
+
+            ok = "CUDAExecutionProvider" in ort.get_available_providers()
+            out.append(Check("onnxruntime CUDA provider", ok, ", ".join(ort.get_available_providers()),
+                             "" if ok else "pip install onnxruntime-gpu (instead of onnxruntime)"))
+        except ImportError:
+            out.append(Check("onnxruntime CUDA provider", False, "onnxruntime missing", "pip install onnxruntime-gpu"))
+        try:
+            from ..runtimes.native import require_llama_cpp
+
+            lc = require_llama_cpp()
+            ok = bool(lc.llama_supports_gpu_offload())
+            out.append(Check("llama.cpp GPU offload", ok, f"llama-cpp-python {lc.__version__}",
+                             "" if ok else "CMAKE_ARGS=-DGGML_CUDA=on pip install --force-reinstall --no-cache-dir "
+                             "llama-cpp-python"))
+        except RuntimeNotInstalledError:
+            out.append(Check("llama.cpp GPU offload", False, "llama-cpp-python missing",
+                             "CMAKE_ARGS=-DGGML_CUDA=on pip install llama-cpp-python"))
+        return out
+
+
+def transport_for(profile: Profile) -> Transport:
+    if profile.transport == "ssh":
+        return SshTransport(profile)
+    if profile.transport == "emulated":
+        from .emulation import EmulatedTransport
+
+        return EmulatedTransport(profile)
+    if profile.transport == "cuda":
+        return CudaTransport(profile)
+    return LocalChild(profile)
