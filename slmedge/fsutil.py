@@ -31,12 +31,16 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` under a temporary name beside ``path``, then rename it into place."""
     path = Path(path)
     tmp = path.with_name(f"{_TMP_MARK}{uuid.uuid4().hex}-{path.name}")
     try:
         with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True, ensure_ascii=False)
-            handle.write("\n")
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

@@ -10,6 +10,7 @@ from .evaluate import evaluate_command, lm_eval_command
 from .export import export_command, inspect_command
 from .methods import methods_command
 from .run import run_command
+from .study import report_command, study_command
 from .targets import targets_app
 
 app = typer.Typer(
@@ -36,6 +37,8 @@ app.command("inspect")(inspect_command)
 app.command("run")(run_command)
 app.command("methods")(methods_command)
 app.add_typer(targets_app, name="targets")
+app.command("study")(study_command)
+app.command("report")(report_command)
 
 
 def main() -> None:

@@ -48,6 +48,30 @@ MIGRATIONS: list[tuple[str, str]] = [
         );
         CREATE INDEX results_by_run ON results(run_id);
     """),
+    ("0002_study_jobs", """
+        CREATE TABLE study_jobs (
+            study TEXT NOT NULL,
+            job_id TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            spec TEXT NOT NULL,
+            labels TEXT NOT NULL,
+            deps TEXT NOT NULL,
+            status TEXT NOT NULL DEFAULT 'pending',
+            output TEXT,
+            run_id INTEGER REFERENCES runs(id),
+            seconds REAL,
+            finished_at TEXT,
+            PRIMARY KEY (study, job_id)
+        );
+        CREATE TABLE study_events (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            study TEXT NOT NULL,
+            job_id TEXT NOT NULL,
+            event TEXT NOT NULL,
+            detail TEXT,
+            at TEXT NOT NULL
+        );
+    """),
 ]
 
 
@@ -65,7 +89,7 @@ class ResultsStore:
         self.path = Path(path).expanduser() if path else default_path()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.db = sqlite3.connect(str(self.path))
+            self.db = sqlite3.connect(str(self.path), timeout=60)
         except (OSError, sqlite3.Error) as exc:
             raise ResultsStoreError(f"cannot open the results store {self.path}: {exc}") from exc
         try:

@@ -1,0 +1,103 @@
+"""slmedge study / slmedge report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .common import console, errors_to_exit
+
+
+def study_command(
+    study_file: Path = typer.Argument(..., help="The study's TOML file (see scripts/studies/)."),
+    engine: str = typer.Option("local", "--engine", help="local (a process pool on this machine) or ray."),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray: the address of an existing cluster "
+                                          "(default: start Ray locally)."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Jobs at once (default: cores / threads per job)."),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", help="Where artifacts and exports go "
+                                           "(default: the study's workdir, else the user cache)."),
+    results_db: Optional[Path] = typer.Option(None, "--results-db", envvar="SLMEDGE_RESULTS_DB",
+                                              help="SQLite results store (default: user data dir)."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help="Data folder."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate and list the jobs; run nothing."),
+):
+    """Run a study's grid: compress -> export -> evaluate, each job once, resumable.
+
+    \b
+    Examples:
+      slmedge study scripts/studies/quick.toml
+      slmedge study scripts/studies/seed.toml --engine ray
+      slmedge report -o report.html
+    """
+    from ..evaluate.store import ResultsStore
+    from ..study.engine import StudyStore, run_study
+    from ..study.jobs import build_jobs, study_workdir
+    from ..study.spec import load_study
+
+    with errors_to_exit():
+        study = load_study(study_file)
+        wd = study_workdir(study, workdir)
+        jobs = build_jobs(study, wd)
+        kinds = {k: sum(j.kind == k for j in jobs) for k in ("compress", "export", "evaluate")}
+        console.print(f"study {study.name}: {len(jobs)} jobs ({kinds['compress']} compress, {kinds['export']} export, "
+                      f"{kinds['evaluate']} evaluate), workdir {wd}")
+        if dry_run:
+            t = Table("job", "kind", "what", "after")
+            for j in jobs:
+                t.add_row(j.id, j.kind, " · ".join(str(j.labels[k]) for k in ("model", "method", "export", "target")
+                                                   if j.labels.get(k) not in (None, "", "none")),
+                          ", ".join(j.deps))
+            console.print(t)
+            return
+        store = ResultsStore(results_db)
+        try:
+            done_before = len(StudyStore(store).finished(study.name))
+            if done_before:
+                console.print(f"resuming: {done_before} job(s) already finished")
+
+            def progress(job, counts, left):
+                console.print(f"[{counts['ran'] + counts['reused'] + counts['already_done']}/{counts['jobs']}] "
+                              f"{job.kind} {job.id} done ({left} left, {counts['failed']} failed)", markup=False,
+                              highlight=False)
+
+            counts = run_study(study, store, engine=engine, workers=workers, address=address, workdir=workdir,
+                               data_dir=str(data_dir) if data_dir else None, progress=progress)
+        finally:
+            store.close()
+        per_min = counts["ran"] / (counts["seconds"] / 60) if counts["seconds"] > 0 else 0.0
+        console.print(f"study {study.name}: {counts['ran']} job(s) run, {counts['already_done']} already done, "
+                      f"{counts['reused']} adopted from disk, in {counts['seconds']:.0f} s ({per_min:.1f} jobs/min); "
+                      f"results in {store.path} — slmedge report --study {study.name} -o report.html")
+
+
+def report_command(
+    store_path: Optional[Path] = typer.Argument(None, help="Results store (default: $SLMEDGE_RESULTS_DB or the user data dir)."),
+    output: Path = typer.Option(Path("report.html"), "-o", "--output", help="Report file."),
+    fmt: str = typer.Option("html", "--format", help="html (one self-contained file) or md (plots beside it)."),
+    study: Optional[str] = typer.Option(None, "--study", help="Only this study's evaluations."),
+):
+    """Turn the results store into tables, plots and caveats a person reads.
+
+    \b
+    Examples:
+      slmedge report -o report.html
+      slmedge report results.sqlite --study quick --format md -o report.md
+    """
+    from ..errors import ConfigError
+    from ..evaluate.store import ResultsStore
+    from ..study.report import write_report
+
+    with errors_to_exit():
+        if fmt not in ("html", "md"):
+            raise ConfigError(f"--format is html or md, not {fmt}")
+        if store_path is not None and not Path(store_path).is_file():
+            raise ConfigError(f"no results store at {store_path}")
+        store = ResultsStore(store_path)
+        try:
+            info = write_report(store, output, fmt, study)
+        finally:
+            store.close()
+        console.print(f"report: {info['rows']} evaluations -> {info['path']}")

@@ -1,0 +1,271 @@
+"""Running a study: jobs whose inputs are ready go to a pool (local processes, or Ray tasks with
+resource requests); each finished job is recorded in the results store at once, so a run
+killed at any point (``kill -9`` included) resumes with what finished kept and nothing redone.
+
+Workers return what they made (an artifact path, an export path, an evaluation's results and
+store rows); only this process writes the store, so Ray workers on other machines need no
+access to it (their outputs need a filesystem the cluster shares).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from ..errors import SlmedgeError
+from .jobs import Job, build_jobs, study_workdir
+from .spec import Study
+
+
+class StudyRunError(SlmedgeError):
+    """Some jobs of the study failed (the others finished and are kept)."""
+
+
+# --- the store's study tables -----------------------------------------------------------------
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class StudyStore:
+    def __init__(self, store):
+        self.store = store
+        self.db = store.db
+
+    def register(self, study: str, jobs: list[Job]) -> None:
+        with self.db:
+            for j in jobs:
+                self.db.execute(
+                    "INSERT OR IGNORE INTO study_jobs (study, job_id, kind, spec, labels, deps) VALUES (?, ?, ?, ?, ?, ?)",
+                    (study, j.id, j.kind, json.dumps(j.spec, sort_keys=True), json.dumps(j.labels, sort_keys=True),
+                     json.dumps(j.deps)))
+
+    def finished(self, study: str) -> dict[str, dict]:
+        rows = self.db.execute("SELECT job_id, output, run_id FROM study_jobs WHERE study = ? AND status = 'done'",
+                               (study,))
+        return {r[0]: {"output": r[1], "run_id": r[2]} for r in rows}
+
+    def event(self, study: str, job_id: str, event: str, detail: str | None = None) -> None:
+        with self.db:
+            self.db.execute("INSERT INTO study_events (study, job_id, event, detail, at) VALUES (?, ?, ?, ?, ?)",
+                            (study, job_id, event, detail, _now()))
+
+    def finish(self, study: str, job: Job, result: dict) -> None:
+        run_id = None
+        if job.kind == "evaluate":
+            calls = result["rows"]
+            start = calls[0]
+            run_id = self.store.start_run(*start["args"], **start["kwargs"])
+            for call in calls[1:]:
+                self.store.add(run_id, *call["args"][1:], **call["kwargs"])
+        with self.db:  # the job's row and its event in one transaction
+            self.db.execute("UPDATE study_jobs SET status = 'done', output = ?, run_id = ?, seconds = ?, finished_at = ? "
+                            "WHERE study = ? AND job_id = ?",
+                            (result.get("output"), run_id, result.get("seconds"), _now(), study, job.id))
+            self.db.execute("INSERT INTO study_events (study, job_id, event, detail, at) VALUES (?, ?, 'finished', ?, ?)",
+                            (study, job.id, "reused" if result.get("reused") else None, _now()))
+
+    def fail(self, study: str, job: Job, error: str) -> None:
+        with self.db:
+            self.db.execute("UPDATE study_jobs SET status = 'failed' WHERE study = ? AND job_id = ?", (study, job.id))
+            self.db.execute("INSERT INTO study_events (study, job_id, event, detail, at) VALUES (?, ?, 'failed', ?, ?)",
+                            (study, job.id, error[:2000], _now()))
+
+
+# --- one job (runs in a worker) ---------------------------------------------------------------
+
+
+class _RowRecorder:
+    """Stands in for the results store inside a worker: records the rows an evaluation writes."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def start_run(self, *args, **kwargs):
+        self.calls.append({"args": list(args), "kwargs": kwargs})
+        return 0
+
+    def add(self, *args, **kwargs):
+        self.calls.append({"args": list(args), "kwargs": kwargs})
+
+
+def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) -> dict:
+    """Do one job; returns what it made. Module-level, so process pools and Ray can call it."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    t0 = time.perf_counter()
+    spec, out = job["spec"], Path(job["output"]) if job["output"] else None
+    if job["kind"] == "compress":
+        if (out / "slmedge.json").is_file():  # finished before a kill, not yet recorded
+            return {"output": str(out), "reused": True, "seconds": 0.0}
+        from ..compress.api import compress
+        from ..compress.recipe import Recipe
+
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        compress(spec["model"], Recipe(method=spec["method"], **spec["recipe"]), out, data_dir=data_dir,
+                 device="cpu", overwrite=True)
+        return {"output": str(out), "seconds": time.perf_counter() - t0}
+    if job["kind"] == "export":
+        done = out.is_file() if spec["format"] == "gguf" else (out / "slmedge-export.json").is_file()
+        if done:
+            return {"output": str(out), "reused": True, "seconds": 0.0}
+        from ..export.api import export
+
+        source = job["source_path"]
+        export(source, spec["format"], spec["type"], out, overwrite=True, n_threads=threads)
+        return {"output": str(out), "seconds": time.perf_counter() - t0}
+    from ..evaluate.api import EvalSettings, evaluate
+
+    ev = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["settings"].items()}
+    ev.setdefault("threads", threads)
+    ev["data_dir"] = data_dir
+    rec = _RowRecorder()
+    results = evaluate(job["output"], EvalSettings(**ev, target=spec["target"]), store=rec)
+    return {"rows": rec.calls, "results": results, "seconds": time.perf_counter() - t0}
+
+
+# --- engines ----------------------------------------------------------------------------------
+
+
+class _LocalPool:
+    def __init__(self, workers: int):
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+
+    def submit(self, job: dict, threads, data_dir, needs_gpu: bool):
+        return self.pool.submit(run_job, job, threads, data_dir)
+
+    def wait_any(self, handles):
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        done, _ = wait(handles, return_when=FIRST_COMPLETED)
+        return list(done)
+
+    @staticmethod
+    def result(handle):
+        return handle.result()
+
+    def close(self):
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _RayPool:
+    def __init__(self, address: str | None, threads: int):
+        try:
+            import ray
+        except ImportError as exc:
+            from ..errors import RuntimeNotInstalledError
+
+            raise RuntimeNotInstalledError("the ray engine needs Ray: pip install 'ray>=2.9' "
+                                           "(or pip install -e .[ray])") from exc
+        self.ray = ray
+        if not ray.is_initialized():
+            kwargs = {"address": address} if address else {"num_cpus": os.cpu_count() or 1}
+            # Workers see this process's slmedge settings (cache, data, targets, offline mode).
+            env = {k: v for k, v in os.environ.items() if k.startswith(("SLMEDGE_", "HF_", "TRANSFORMERS_"))}
+            ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+                     runtime_env={"env_vars": env}, **kwargs)
+        self.task = ray.remote(run_job)
+        self.threads = threads
+
+    def submit(self, job: dict, threads, data_dir, needs_gpu: bool):
+        opts = {"num_cpus": max(1, threads or 1), "max_retries": 0}
+        if needs_gpu:
+            opts["num_gpus"] = 1
+        return self.task.options(**opts).remote(job, threads, data_dir)
+
+    def wait_any(self, handles):
+        done, _ = self.ray.wait(list(handles), num_returns=1)
+        return done
+
+    def result(self, handle):
+        return self.ray.get(handle)
+
+    def close(self):
+        pass
+
+
+def run_study(study: Study, store, engine: str = "local", workers: int | None = None, address: str | None = None,
+              workdir=None, data_dir: str | None = None, progress=None, max_jobs: int | None = None) -> dict:
+    """Run every job of ``study`` not yet finished in ``store``; returns counts."""
+    wd = study_workdir(study, workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+    jobs = build_jobs(study, wd)
+    ss = StudyStore(store)
+    ss.register(study.name, jobs)
+    done = ss.finished(study.name)
+    cores = os.cpu_count() or 1
+    threads = study.evaluate.get("threads")
+    if engine == "local":
+        workers = workers or max(1, cores // (threads or cores))
+        threads = threads or max(1, cores // workers)
+        pool = _LocalPool(workers)
+    elif engine == "ray":
+        threads = threads or 1
+        pool = _RayPool(address, threads)
+        workers = workers or max(1, cores // threads)
+    else:
+        raise SlmedgeError(f"unknown engine '{engine}': local or ray")
+    by_id = {j.id: j for j in jobs}
+    remaining = [j for j in jobs if j.id not in done]
+    counts = {"jobs": len(jobs), "already_done": len(done), "ran": 0, "reused": 0, "failed": 0, "blocked": 0}
+    failed: set[str] = set()
+    running: dict = {}
+    started = time.perf_counter()
+    submitted = 0
+    try:
+        while remaining or running:
+            for j in list(remaining):
+                if len(running) >= workers or (max_jobs is not None and submitted >= max_jobs):
+                    break
+                if any(d in failed for d in j.deps):
+                    remaining.remove(j)
+                    failed.add(j.id)
+                    counts["blocked"] += 1
+                    continue
+                if all(d in done for d in j.deps):
+                    payload = j.to_dict()
+                    if j.kind == "export":
+                        dep = j.spec["source"]
+                        payload["source_path"] = done[dep]["output"] if dep in done else dep
+                    needs_gpu = j.kind == "evaluate" and j.spec["target"] == "cuda"
+                    ss.event(study.name, j.id, "started")
+                    running[pool.submit(payload, threads, data_dir, needs_gpu)] = j
+                    remaining.remove(j)
+                    submitted += 1
+            if not running:
+                break
+            for h in pool.wait_any(list(running)):
+                j = running.pop(h)
+                try:
+                    res = pool.result(h)
+                except Exception as exc:  # noqa: BLE001 - a job's failure is recorded, the grid goes on
+                    ss.fail(study.name, j, f"{type(exc).__name__}: {exc}")
+                    failed.add(j.id)
+                    counts["failed"] += 1
+                else:
+                    ss.finish(study.name, j, res)
+                    done[j.id] = {"output": res.get("output")}
+                    counts["reused" if res.get("reused") else "ran"] += 1
+                if progress:
+                    progress(j, counts, len(remaining) + len(running))
+    finally:
+        pool.close()
+    counts["seconds"] = time.perf_counter() - started
+    counts["pending"] = len(remaining)
+    if counts["failed"]:
+        errs = store.db.execute("SELECT job_id, detail FROM study_events WHERE study = ? AND event = 'failed' "
+                                "ORDER BY id DESC LIMIT 3", (study.name,)).fetchall()
+        raise StudyRunError(f"{counts['failed']} job(s) failed ({counts['blocked']} blocked behind them); finished "
+                            f"jobs are kept, run the study again to retry. Last: "
+                            + "; ".join(f"{by_id[i].kind} {i}: {d}" for i, d in errs))
+    return counts

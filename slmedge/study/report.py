@@ -1,0 +1,286 @@
+"""`slmedge report`: the results store as tables, plots and caveats — one self-contained HTML
+file (plots inline as PNG) or Markdown (plots beside it).
+
+Rows are evaluations: a study's finished evaluate jobs (named by model, method, export and
+target), or, in a store without studies, every evaluation run.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from ..errors import ConfigError
+
+FIDELITY = [("kl_mean", "mean KL", "{:.4f}"), ("kl_p99", "KL p99", "{:.3f}"), ("top1_agreement", "top-1", "{:.1%}"),
+            ("rms_delta_p", "RMS Δp", "{:.2%}"), ("hidden_snr_db", "SNR dB", "{:.1f}"), ("task_flips", "task flips",
+                                                                                       "{:.1%}")]
+SYSTEM = [("file_bytes", "size MB", lambda v: f"{v / 1e6:.1f}"), ("bits_per_weight", "bits/w", lambda v: f"{v:.2f}"),
+          ("peak_rss_bytes", "peak RSS MB", lambda v: f"{v / 1e6:.0f}"), ("prefill_tps", "prefill tok/s",
+                                                                          lambda v: f"{v:.1f}"),
+          ("decode_tps", "decode tok/s", lambda v: f"{v:.1f}"), ("decode_bound_tps", "decode bound",
+                                                                 lambda v: f"{v:.1f}"),
+          ("decode_fraction", "of bound", lambda v: f"{v:.0%}")]
+
+
+def load_rows(store, study: str | None = None) -> list[dict]:
+    """One dict per evaluation: ``label`` fields, ``metrics[metric][subset] = value``, run info."""
+    db = store.db
+    q = "SELECT study, labels, run_id FROM study_jobs WHERE kind = 'evaluate' AND status = 'done'"
+    args: tuple = ()
+    if study:
+        q += " AND study = ?"
+        args = (study,)
+    jobs = db.execute(q + " ORDER BY rowid", args).fetchall()
+    if study and not jobs:
+        known = [r[0] for r in db.execute("SELECT DISTINCT study FROM study_jobs")]
+        raise ConfigError(f"no finished evaluations of study '{study}' in {store.path} (studies: {', '.join(known) or 'none'})")
+    if not jobs:  # a store of plain evaluations
+        jobs = [(None, json.dumps({"model": m, "method": "-", "export": rt, "target": t}), rid)
+                for rid, m, rt, t in db.execute("SELECT id, model, runtime, target FROM runs ORDER BY id")]
+    out = []
+    for st, labels, run_id in jobs:
+        run = db.execute("SELECT model, runtime, threads, target, emulated, settings FROM runs WHERE id = ?",
+                         (run_id,)).fetchone()
+        if run is None:
+            continue
+        metrics: dict = defaultdict(dict)
+        for metric, subset, value, extra in db.execute(
+                "SELECT metric, subset, value, extra FROM results WHERE run_id = ? ORDER BY id", (run_id,)):
+            metrics[metric][subset] = value
+            if extra and metric in ("acc", "acc_norm"):
+                metrics.setdefault("_n", {})[subset] = json.loads(extra).get("n")
+        lab = json.loads(labels)
+        out.append({"study": st, "labels": lab, "run_id": run_id, "runtime": run[1], "threads": run[2],
+                    "target": run[3], "emulated": bool(run[4]), "settings": json.loads(run[5]), "metrics": metrics,
+                    "name": " · ".join(str(x) for x in (lab.get("model"), lab.get("method"), lab.get("export"),
+                                                         lab.get("target")) if x not in (None, "", "none"))})
+    return out
+
+
+def _value(row, metric, subset=None):
+    vals = row["metrics"].get(metric, {})
+    if subset is None:
+        return next(iter(vals.values()), None) if vals else None
+    return vals.get(subset)
+
+
+def _subsets(rows, metric) -> list[str]:
+    seen: list[str] = []
+    for r in rows:
+        for s in r["metrics"].get(metric, {}):
+            if s not in seen:
+                seen.append(s)
+    return seen
+
+
+def tables(rows: list[dict]) -> list[dict]:
+    """[{title, columns, rows}] — the study's tables."""
+    out = []
+    langs = _subsets(rows, "perplexity")
+    if langs:
+        out.append({"title": "Perplexity per language (token perplexity; lower is better)",
+                    "columns": ["evaluation", *langs],
+                    "rows": [[r["name"], *[_fmt(_value(r, "perplexity", s), "{:.2f}") for s in langs]] for r in rows]})
+        out.append({"title": "Bits per UTF-8 byte per language (comparable across tokenizers)",
+                    "columns": ["evaluation", *langs],
+                    "rows": [[r["name"], *[_fmt(_value(r, "bits_per_byte", s), "{:.3f}") for s in langs]] for r in rows]})
+    tasks = _subsets(rows, "acc")
+    if tasks:
+        out.append({"title": "Zero-shot task accuracy (acc_norm where the task has it, else acc)",
+                    "columns": ["evaluation", *tasks, "mean"],
+                    "rows": [[r["name"], *[_fmt(_task_acc(r, t), "{:.3f}") for t in tasks],
+                              _fmt(_mean([_task_acc(r, t) for t in tasks]), "{:.3f}")] for r in rows]})
+    fid = [f for f in FIDELITY if any(r["metrics"].get(f[0]) for r in rows)]
+    if fid:
+        out.append({"title": "Fidelity to the base model", "columns": ["evaluation", *[f[1] for f in fid]],
+                    "rows": [[r["name"], *[_fmt(_mean(list(r["metrics"].get(k, {}).values())), f) for k, _, f in fid]]
+                             for r in rows]})
+    sysm = [m for m in SYSTEM if any(r["metrics"].get(m[0]) for r in rows)]
+    if sysm:
+        out.append({"title": "Memory and latency per target", "columns": ["evaluation", "target", *[m[1] for m in sysm]],
+                    "rows": [[r["name"], r["target"] + (" (emulated)" if r["emulated"] else ""),
+                              *[_fmtf(_value(r, k), f) for k, _, f in sysm]] for r in rows]})
+    return out
+
+
+def _task_acc(row, task):
+    v = _value(row, "acc_norm", task)
+    return v if v is not None else _value(row, "acc", task)
+
+
+def _mean(values):
+    v = [x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(v) / len(v) if v else None
+
+
+def _fmt(v, f):
+    return "–" if v is None else f.format(v)
+
+
+def _fmtf(v, f):
+    return "–" if v is None else f(v)
+
+
+def caveats(rows: list[dict]) -> list[str]:
+    out = []
+    models = {r["labels"].get("model") for r in rows}
+    if any(m in (None, "smollm2-135m", "smollm2") or str(m).endswith(".gguf") for m in models):
+        out.append("The embedded SmolLM2-135M baseline is a Q4_1 GGUF dequantized to fp32: its own quantization noise "
+                   "is part of the 'full-precision' base, and a method that re-finds that grid is favoured.")
+    if any(r["emulated"] for r in rows):
+        out.append("Rows marked emulated ran under qemu: their timings are not device latency (the roofline there is a "
+                   "projection).")
+    limits = {r["settings"].get("limit") for r in rows} - {None}
+    if limits:
+        out.append(f"Task accuracy is on the first {', '.join(map(str, sorted(limits)))} items per task: standard errors "
+                   "of a few points; small differences are not significant.")
+    windows = {(r["settings"].get("ppl_windows"), r["settings"].get("seqlen")) for r in rows if "perplexity" in r["metrics"]}
+    if windows:
+        out.append("Perplexity over " + ", ".join(f"{w or 'all'} window(s) of {s} tokens" for w, s in sorted(windows, key=str))
+                   + " per language: a sample, not the whole corpus.")
+    out.append("A single metric misleads: read fidelity, multilingual perplexity and task accuracy together.")
+    return out
+
+
+# --- plots --------------------------------------------------------------------------------------
+
+
+def _fig_png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def plots(rows: list[dict]) -> list[tuple[str, bytes]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = []
+    langs = _subsets(rows, "perplexity")
+    pts = [r for r in rows if _value(r, "bits_per_weight") is not None]
+    if langs and pts:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for lang in langs:
+            xy = sorted((_value(r, "bits_per_weight"), _value(r, "perplexity", lang)) for r in pts
+                        if _value(r, "perplexity", lang) is not None)
+            if xy:
+                ax.plot([p[0] for p in xy], [p[1] for p in xy], "o-", label=lang)
+        ax.set_xlabel("bits per weight (file)")
+        ax.set_ylabel("perplexity")
+        ax.set_yscale("log")
+        ax.set_title("Perplexity against compression level, per language")
+        ax.legend(fontsize=7, ncol=2)
+        out.append(("Perplexity against compression level per language", _fig_png(fig)))
+    tasks = _subsets(rows, "acc")
+    if tasks:
+        fig, ax = plt.subplots(figsize=(max(6, len(tasks) * 0.9), 4))
+        width = 0.8 / max(len(rows), 1)
+        for i, r in enumerate(rows):
+            ax.bar([t + i * width for t in range(len(tasks))], [_task_acc(r, t) or 0 for t in tasks], width,
+                   label=r["name"])
+        ax.set_xticks([t + 0.4 - width / 2 for t in range(len(tasks))], tasks, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("accuracy")
+        ax.set_title("Accuracy per task")
+        ax.legend(fontsize=6)
+        out.append(("Accuracy per task", _fig_png(fig)))
+    qual = [(r, _quality(r)) for r in rows if _quality(r) is not None]
+    for xkey, xlabel, better_low in (("file_bytes", "file size (MB)", True), ("decode_tps", "decode tokens/s", False)):
+        for target in sorted({r["target"] for r, _ in qual}):
+            data = [(r, q, _value(r, xkey)) for r, q in qual if r["target"] == target and _value(r, xkey)]
+            if len(data) < 1:
+                continue
+            fig, ax = plt.subplots(figsize=(6, 4))
+            xs = [d[2] / 1e6 if xkey == "file_bytes" else d[2] for d in data]
+            ys = [d[1] for d in data]
+            ax.scatter(xs, ys)
+            for (r, _, _), x, y in zip(data, xs, ys):
+                ax.annotate(r["labels"].get("method", r["name"]), (x, y), fontsize=7)
+            front = _pareto(list(zip(xs, ys)), better_low)
+            ax.plot([p[0] for p in front], [p[1] for p in front], "r--", label="Pareto front")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("mean perplexity (lower is better)")
+            emu = any(r["emulated"] for r, _, _ in data)
+            ax.set_title(f"Quality against {xlabel.split(' (')[0]} — target {target}" + (" (EMULATED)" if emu else ""))
+            ax.legend(fontsize=7)
+            out.append((f"Pareto front: quality against {xlabel} on {target}", _fig_png(fig)))
+    return out
+
+
+def _quality(row):
+    return _mean(list(row["metrics"].get("perplexity", {}).values()))
+
+
+def _pareto(points, x_low_better: bool):
+    """Points no other point beats on both axes (perplexity: lower is better)."""
+    front = []
+    for x, y in points:
+        dominated = any(((x2 <= x) if x_low_better else (x2 >= x)) and y2 <= y and (x2, y2) != (x, y)
+                        for x2, y2 in points)
+        if not dominated:
+            front.append((x, y))
+    return sorted(front)
+
+
+# --- output -------------------------------------------------------------------------------------
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
+table{border-collapse:collapse;margin:1em 0;font-size:13px}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th:first-child,td:first-child{text-align:left}th{background:#f3f3f3}img{max-width:100%;margin:1em 0}
+.caveat{background:#fff8e1;border-left:4px solid #f0b400;padding:.5em 1em}"""
+
+
+def render_html(rows, title: str) -> str:
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+             f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>",
+             f"<p>{len(rows)} evaluations.</p><h2>Caveats</h2><div class='caveat'><ul>"
+             + "".join(f"<li>{html.escape(c)}</li>" for c in caveats(rows)) + "</ul></div>"]
+    for t in tables(rows):
+        parts.append(f"<h2>{html.escape(t['title'])}</h2><table><tr>"
+                     + "".join(f"<th>{html.escape(c)}</th>" for c in t["columns"]) + "</tr>"
+                     + "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>"
+                               for row in t["rows"]) + "</table>")
+    for caption, png in plots(rows):
+        parts.append(f"<h2>{html.escape(caption)}</h2><img class='plot' alt='{html.escape(caption)}' "
+                     f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
+    # Marks how many plots the browser decoded (the report's test reads it back).
+    parts.append("<script>window.addEventListener('load',function(){var i=[].slice.call(document.images);"
+                 "document.body.setAttribute('data-plots-rendered',i.filter(function(x){return x.complete&&"
+                 "x.naturalWidth>0}).length+'/'+i.length);});</script></body></html>")
+    return "".join(parts)
+
+
+def render_md(rows, title: str, out_path: Path) -> str:
+    parts = [f"# {title}\n", f"{len(rows)} evaluations.\n", "## Caveats\n", *[f"- {c}" for c in caveats(rows)], ""]
+    for t in tables(rows):
+        parts += [f"## {t['title']}\n", "| " + " | ".join(t["columns"]) + " |",
+                  "|" + "|".join("---" for _ in t["columns"]) + "|",
+                  *["| " + " | ".join(str(v) for v in row) + " |" for row in t["rows"]], ""]
+    figdir = out_path.with_name(out_path.stem + "_files")
+    for i, (caption, png) in enumerate(plots(rows)):
+        figdir.mkdir(parents=True, exist_ok=True)
+        (figdir / f"plot{i + 1}.png").write_bytes(png)
+        parts += [f"## {caption}\n", f"![{caption}]({figdir.name}/plot{i + 1}.png)", ""]
+    return "\n".join(parts)
+
+
+def write_report(store, out: Path, fmt: str = "html", study: str | None = None) -> dict:
+    from ..fsutil import write_text_atomic
+
+    rows = load_rows(store, study)
+    if not rows:
+        raise ConfigError(f"{store.path} holds no evaluations to report")
+    title = f"slmedge report — {study or 'all evaluations'}"
+    text = render_html(rows, title) if fmt == "html" else render_md(rows, title, Path(out))
+    write_text_atomic(Path(out), text)
+    return {"rows": len(rows), "path": str(out)}

@@ -1,0 +1,208 @@
+"""Studies: strict study files, a small grid on both engines, kill -9 and resume, the report."""
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import one_line_error
+from typer.testing import CliRunner
+
+from slmedge.cli import app
+from slmedge.evaluate.store import ResultsStore
+from slmedge.study.engine import run_study
+from slmedge.study.report import load_rows
+from slmedge.study.spec import StudyError, load_study
+
+runner = CliRunner()
+TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun. " * 12
+
+
+def _study(tmp_path, model: Path, name="tiny", methods=None, exports=('"none"', '"gguf"')) -> Path:
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(TEXT, encoding="utf-8")
+    tasks = tmp_path / "mini.jsonl"
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"query": "The sky is", "choices": ["blue", "green grass", "a"], "gold": 0},
+        {"query": "Two and two make", "choices": ["four", "seven", "many fish"], "gold": 0}]), encoding="utf-8")
+    methods = methods or ['method = "none"', 'label = "rtn-w4"\nmethod = "rtn"\nbits = 4\ngroup_size = 32',
+                          'label = "magnitude-50"\nmethod = "magnitude"\nsparsity = "0.5"']
+    text = f'''name = "{name}"
+models = ["{model}"]
+seeds = [0]
+targets = ["cpu"]
+workdir = "work-{name}"
+
+[evaluate]
+metrics = ["perplexity", "fidelity", "tasks", "memory"]
+langs = []
+wikitext = false
+corpora = ["{corpus}"]
+seqlen = 32
+ppl_windows = 2
+fidelity_windows = 1
+tasks = ["{tasks}"]
+threads = 1
+''' + "".join(f"\n[[methods]]\n{m}\n" for m in methods) + "".join(f'\n[[exports]]\nformat = {e}\n' for e in exports)
+    f = tmp_path / f"{name}.toml"
+    f.write_text(text)
+    return f
+
+
+# --- the study file ------------------------------------------------------------------------------
+
+
+def test_study_files_are_validated_with_the_line(tmp_path, tiny_models):
+    good = _study(tmp_path, tiny_models("llama"))
+    assert len(load_study(good).methods) == 3
+    text = good.read_text()
+    # (bad text, words of the error, the text of the line it must name)
+    cases = [
+        (text.replace('group_size = 32', 'group_size = 32\ncolour = "red"'), ["unknown key 'colour'"], 'colour = "red"'),
+        (text.replace('method = "rtn"\nbits = 4', 'method = "rtn"\nbits = 4\nsparsity = "0.5"'),
+         ["rtn quantizes and does not prune"], None),  # the [[methods]] entry's header
+        (text.replace('method = "magnitude"', 'method = "shrink"'), ["unknown method 'shrink'"], 'method = "shrink"'),
+        (text.replace('targets = ["cpu"]', 'targets = ["mars"]'), ["unknown target 'mars'"], "targets ="),
+        (text.replace('format = "gguf"', 'format = "gguf"\ntype = "q9_9"'), ["unknown GGUF type 'q9_9'"], 'type = "q9_9"'),
+        (text.replace('targets = ["cpu"]', 'targets = ["arm64"]').replace('\n[[exports]]\nformat = "gguf"\n', ''),
+         ["runs exported files only"], "targets ="),
+        (text.replace("seqlen = 32", "seqlen = 1"), ["window length"], "[evaluate]"),
+        (text.replace('seeds = [0]', 'seeds = ["zero"]'), ["'seeds' must be a list of integers"], "seeds ="),
+    ]
+    for i, (bad, words, needle) in enumerate(cases):
+        f = tmp_path / f"bad{i}.toml"
+        f.write_text(bad)
+        lines = bad.splitlines()
+        if needle is None:
+            line = lines.index('label = "rtn-w4"')  # the header is the line before it (1-based: index)
+        else:
+            line = next(n for n, x in enumerate(lines, 1) if x.startswith(needle))
+        with pytest.raises(StudyError) as err:
+            load_study(f)
+        for w in [*words, f"{f.name}, line {line}:"]:
+            assert w in str(err.value), (i, str(err.value))
+    res = runner.invoke(app, ["study", str(tmp_path / "bad0.toml")])
+    one_line_error(res, "unknown key 'colour'")
+
+
+def test_jobs_are_shared_and_listed(tmp_path, tiny_models):
+    f = _study(tmp_path, tiny_models("llama"))
+    res = runner.invoke(app, ["study", str(f), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    # 2 compress (rtn, magnitude), 3 exports (base, rtn, magnitude), 6 evaluations: each built once
+    assert "11 jobs (2 compress, 3 export, 6 evaluate)" in res.output
+
+
+# --- running: both engines, kill -9 --------------------------------------------------------------
+
+NUMERIC = ("perplexity", "bits_per_byte", "acc", "acc_norm", "kl_mean", "top1_agreement", "file_bytes")
+
+
+def _numbers(store, study):
+    return {(r["labels"]["method"], r["labels"]["export"]): {m: r["metrics"].get(m) for m in NUMERIC}
+            for r in load_rows(store, study)}
+
+
+@pytest.fixture(scope="module")
+def local_store(tiny_models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("study-local")
+    f = _study(tmp, tiny_models("llama"))
+    store = ResultsStore(tmp / "local.sqlite")
+    counts = run_study(load_study(f), store)
+    assert counts["ran"] == 11 and counts["failed"] == 0
+    again = run_study(load_study(f), store)  # everything finished: nothing runs twice
+    assert again["ran"] == 0 and again["already_done"] == 11
+    yield store, f
+    store.close()
+
+
+def test_a_small_grid_gives_identical_results_on_both_engines(local_store, tmp_path):
+    pytest.importorskip("ray")
+    import ray
+
+    store, f = local_store
+    ray_store = ResultsStore(tmp_path / "ray.sqlite")
+    try:
+        counts = run_study(load_study(f), ray_store, engine="ray", workdir=tmp_path / "ray-work")
+    finally:
+        ray.shutdown()
+    assert counts["ran"] == 11 and counts["failed"] == 0
+    a, b = _numbers(store, "tiny"), _numbers(ray_store, "tiny")
+    assert a.keys() == b.keys() and len(a) == 6
+    for key in a:
+        assert a[key] == b[key], key
+    ray_store.close()
+
+
+def test_a_killed_study_resumes_with_every_job_done_once(tmp_path, tiny_models):
+    f = _study(tmp_path, tiny_models("llama"), name="killme")
+    db = tmp_path / "k.sqlite"
+    proc = subprocess.Popen([sys.executable, "-c", "from slmedge.cli import main; main()", "study", str(f),
+                             "--results-db", str(db)], env=dict(os.environ), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done_at_kill = 0
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(0.3)
+        if db.is_file():
+            try:
+                with sqlite3.connect(db, timeout=5) as con:
+                    done_at_kill = con.execute("SELECT COUNT(*) FROM study_jobs WHERE status = 'done'").fetchone()[0]
+            except sqlite3.Error:
+                continue
+            if done_at_kill >= 3:
+                break
+    assert proc.poll() is None, proc.stderr.read().decode()[-500:]
+    os.killpg(proc.pid, signal.SIGKILL)  # the runner and its workers, mid-grid
+    proc.wait()
+    assert 3 <= done_at_kill < 11
+    res = runner.invoke(app, ["study", str(f), "--results-db", str(db)])
+    assert res.exit_code == 0, res.output
+    assert "resuming" in res.output
+    with sqlite3.connect(db) as con:
+        assert con.execute("SELECT COUNT(*) FROM study_jobs WHERE status = 'done'").fetchone()[0] == 11
+        finished = con.execute("SELECT job_id, COUNT(*) FROM study_events WHERE event = 'finished' "
+                               "GROUP BY job_id").fetchall()
+        assert len(finished) == 11 and all(n == 1 for _, n in finished)  # every job recorded done once
+        # no job that had finished was started again
+        for (job_id,) in con.execute("SELECT job_id FROM study_events WHERE event = 'finished'"):
+            fin = con.execute("SELECT MIN(id) FROM study_events WHERE job_id = ? AND event = 'finished'",
+                              (job_id,)).fetchone()[0]
+            assert con.execute("SELECT COUNT(*) FROM study_events WHERE job_id = ? AND event = 'started' AND id > ?",
+                               (job_id, fin)).fetchone()[0] == 0
+
+
+# --- the report ------------------------------------------------------------------------------------
+
+
+def test_report_has_the_tables_and_plots(local_store, tmp_path):
+    store, _ = local_store
+    out = tmp_path / "r.html"
+    res = runner.invoke(app, ["report", str(store.path), "--study", "tiny", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    html = out.read_text()
+    for title in ("Perplexity per language", "Zero-shot task accuracy", "Fidelity to the base model",
+                  "Memory and latency per target", "Caveats", "rtn-w4", "magnitude-50"):
+        assert title in html, title
+    assert html.count("data:image/png;base64,") >= 3  # compression level, tasks, Pareto front(s)
+    md = tmp_path / "r.md"
+    res = runner.invoke(app, ["report", str(store.path), "--study", "tiny", "--format", "md", "-o", str(md)])
+    assert res.exit_code == 0 and "| evaluation |" in md.read_text()
+    assert len(list((tmp_path / "r_files").glob("*.png"))) >= 3
+    res = runner.invoke(app, ["report", str(store.path), "--study", "nope", "-o", str(out)])
+    one_line_error(res, "no finished evaluations of study 'nope'")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("chromium is not installed (apt-get install chromium; .ci/run installs it)")
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                          f"--user-data-dir={tmp_path / 'chrome'}", "--virtual-time-budget=5000", "--dump-dom",
+                          out.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    n = html.count("<img")
+    assert f'data-plots-rendered="{n}/{n}"' in dom, dom[-300:]
