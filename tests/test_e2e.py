@@ -134,3 +134,20 @@ def test_smollm2_torch_and_llamacpp_f32_gguf_agree_on_perplexity(default_model, 
     assert out["torch"].tokens == out["llama.cpp"].tokens  # same tokenization through both tokenizers
     assert out["torch"].bytes == out["llama.cpp"].bytes  # and the same UTF-8 bytes for bits per byte
     assert abs(cpp_ppl / torch_ppl - 1) < 0.005, (torch_ppl, cpp_ppl)
+
+
+def test_smollm2_torch_and_its_gguf_score_the_same_task_tokens(default_model):
+    # transformers' GGUF import adds BOS although SmolLM2's file says not to; the import keeps
+    # the file's flag, so a torch model and its GGUF see the same ids (and task answers).
+    from slmedge.evaluate.subject import open_subject
+    from slmedge.evaluate.tasks import encode_pair, load_task
+
+    torch_sub = open_subject(str(default_model.hf_dir))
+    cpp_sub = open_subject(str(source.embedded_gguf_path("smollm2-135m")), n_ctx=512)
+    assert torch_sub.encoder.adds_bos == cpp_sub.encoder.adds_bos is False
+    for name in ("arc_easy", "xcopa_th"):
+        for req in load_task(name, limit=10):
+            for c, x in zip(req.contexts, req.continuations):
+                assert encode_pair(torch_sub.encoder, c, x) == encode_pair(cpp_sub.encoder, c, x)
+    torch_sub.close()
+    cpp_sub.close()

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..runtimes.native import require_llama_cpp  # noqa: F401 - re-exported
-from ..errors import ModelLoadError, ModelNotFoundError, SlmedgeError
+from ..errors import ModelLoadError, ModelNotFoundError, RuntimeNotInstalledError, SlmedgeError
 from ..fsutil import atomic_directory, sha256_file, write_json_atomic
 from ..paths import cache_dir
 from .architectures import Architecture, architecture_for
@@ -241,7 +241,8 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
 
     gguf_path = Path(gguf_path)
     digest = sha256_file(gguf_path)
-    dest = cache_dir() / "models" / f"gguf-{digest[:16]}"  # the embedded default and its file share it
+    # The embedded default and its file share it. "-2": conversions that keep the file's BOS flag.
+    dest = cache_dir() / "models" / f"gguf-{digest[:16]}-2"
     if (dest / SOURCE_FILE).is_file():
         return dest
     try:
@@ -258,6 +259,7 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     except Exception as exc:
         raise ModelLoadError(f"transformers cannot import {gguf_path}: {_first_line(exc)}") from exc
     model.eval()
+    _keep_bos_flag(tokenizer, gguf_path)
     check = None
     if verify:
         from .gguf_check import check_against_llamacpp
@@ -274,6 +276,21 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
         tokenizer.save_pretrained(tmp)
         write_json_atomic(tmp / SOURCE_FILE, record)
     return dest
+
+
+def _keep_bos_flag(tokenizer, gguf_path: Path) -> None:
+    """Make the tokenizer add BOS exactly when the GGUF file says to (``tokenizer.ggml.
+    add_bos_token``), as llama.cpp does. transformers' GGUF import adds BOS regardless (SmolLM2's
+    file says not to), which would make a torch model and its own GGUF score different token ids."""
+    from ..runtimes.native import vocab_only
+
+    try:
+        with vocab_only(gguf_path) as llm:
+            wanted = bool(llm._model.add_bos_token())
+    except (ValueError, RuntimeNotInstalledError):
+        return
+    if hasattr(tokenizer, "add_bos_token") and bool(tokenizer.add_bos_token) != wanted:
+        tokenizer.add_bos_token = wanted
 
 
 __all__ = ["DEFAULT_MODEL", "EMBEDDED", "LoadedModel", "ModelSource", "SlmedgeError", "load", "resolve"]

@@ -195,7 +195,7 @@ class _RayPool:
 
 
 def run_study(study: Study, store, engine: str = "local", workers: int | None = None, address: str | None = None,
-              workdir=None, data_dir: str | None = None, progress=None, max_jobs: int | None = None) -> dict:
+              workdir=None, data_dir: str | None = None, progress=None) -> dict:
     """Run every job of ``study`` not yet finished in ``store``; returns counts."""
     wd = study_workdir(study, workdir)
     wd.mkdir(parents=True, exist_ok=True)
@@ -221,11 +221,10 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
     failed: set[str] = set()
     running: dict = {}
     started = time.perf_counter()
-    submitted = 0
     try:
         while remaining or running:
             for j in list(remaining):
-                if len(running) >= workers or (max_jobs is not None and submitted >= max_jobs):
+                if len(running) >= workers:
                     break
                 if any(d in failed for d in j.deps):
                     remaining.remove(j)
@@ -241,7 +240,6 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
                     ss.event(study.name, j.id, "started")
                     running[pool.submit(payload, threads, data_dir, needs_gpu)] = j
                     remaining.remove(j)
-                    submitted += 1
             if not running:
                 break
             for h in pool.wait_any(list(running)):
