@@ -205,7 +205,9 @@ def plots(rows: list[dict]) -> list[tuple[str, bytes]]:
             ys = [d[1] for d in data]
             ax.scatter(xs, ys)
             for (r, _, _), x, y in zip(data, xs, ys):
-                ax.annotate(r["labels"].get("method", r["name"]), (x, y), fontsize=7)
+                fmt = r["labels"].get("format")
+                ax.annotate(str(r["labels"].get("method", r["name"])) + (f" ({fmt})" if fmt not in (None, "none") else ""),
+                            (x, y), fontsize=7)
             front = _pareto(list(zip(xs, ys)), better_low)
             ax.plot([p[0] for p in front], [p[1] for p in front], "r--", label="Pareto front")
             ax.set_xlabel(xlabel)
