@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from .errors import OutputExistsError, SlmedgeError
+from .errors import DataError, OutputExistsError, SlmedgeError
 
 _TMP_MARK = ".slmedge-tmp-"
 
@@ -28,6 +28,23 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
+    """(line number, record) for each non-blank line of a UTF-8 JSON-lines file; a line that is
+    not JSON, or bytes that are not UTF-8, are a DataError naming the file (and line)."""
+    path = Path(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for line_no, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield line_no, json.loads(line)
+                except ValueError as exc:
+                    raise DataError(f"{path}:{line_no} is not valid JSON") from exc
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 text") from exc
 
 
 def write_json_atomic(path: str | os.PathLike, data: dict) -> None:

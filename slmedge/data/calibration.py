@@ -15,7 +15,6 @@ The same spec, seed and tokenizer give the same token ids, byte for byte.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DataError, RuntimeNotInstalledError
-from ..fsutil import sha256_file
+from ..fsutil import iter_jsonl, sha256_file
 from ..paths import data_dir
 
 
@@ -65,23 +64,17 @@ def read_texts(spec: str, data: str | Path | None = None, text_field: str = "tex
 
 
 def _file_texts(path: Path, text_field: str) -> list[str]:
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path} is not UTF-8 text") from exc
     if path.suffix.lower() == ".jsonl":
         texts = []
-        for lineno, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise DataError(f"{path}:{lineno} is not valid JSON") from exc
+        for lineno, record in iter_jsonl(path):
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 raise DataError(f"{path}:{lineno} has no string field '{text_field}'")
             texts.append(record[text_field])
         return texts
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 text") from exc
     return [line for line in raw.splitlines() if line.strip()]
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
+from ..fsutil import iter_jsonl
 from ..paths import data_dir
 
 ENGLISH_TASKS = ("arc_easy", "arc_challenge", "boolq", "hellaswag", "openbookqa", "piqa", "winogrande", "copa")
@@ -61,17 +62,10 @@ def load_task(name: str, data=None, limit: int | None = None) -> list[Request]:
     """Read a task file in either schema; ``limit`` keeps the first N items."""
     f = task_file(name, data)
     items = []
-    with open(f, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)
-            except ValueError as exc:
-                raise DataError(f"{f}:{line_no} is not valid JSON") from exc
-            items.append(_request(doc, f, line_no))
-            if limit is not None and len(items) >= limit:
-                break
+    for line_no, doc in iter_jsonl(f):
+        items.append(_request(doc, f, line_no))
+        if limit is not None and len(items) >= limit:
+            break
     if not items:
         raise DataError(f"{f} holds no items")
     return items

@@ -157,16 +157,16 @@ class TorchRuntime(Runtime):
         return out.logits[0].float().cpu().numpy()
 
     def continuation_scores(self, context, continuations):
-        # The context (but its last token) runs once and its KV cache is shared; the continuations
-        # then run as one right-padded batch (pads come after every real token, so no real
-        # position sees them), and the head is applied only where a continuation token is scored.
+        # The context (but its last token) runs once and its KV cache is shared by the
+        # continuations (``_packed_scores`` with one group: no padding in the prefix, so this also
+        # holds for sliding-window models).
         torch = self.torch
         ctx = list(context)
         if len(ctx) > 1 and len(continuations) > 0:
             try:
-                return self._scores_with_prefix(ctx, continuations)
+                return self._packed_scores([(ctx, continuations)])[0]
             except (AttributeError, NotImplementedError, TypeError):
-                pass  # caches without batch expansion (e.g. hybrid sliding-window): the plain path
+                pass  # caches without batch selection (e.g. some hybrid caches): the plain path
         ids, mask = _padded(ctx, continuations, 0)
         with torch.no_grad():
             logits = self.model(torch.from_numpy(ids).to(self.device),
@@ -174,34 +174,6 @@ class TorchRuntime(Runtime):
         logits = logits.float().cpu().numpy()
         n = len(ctx)
         return [_token_scores(logits[i, n - 1 : n - 1 + len(c)], c) for i, c in enumerate(continuations)]
-
-    def _scores_with_prefix(self, ctx, continuations):
-        torch = self.torch
-        from transformers import DynamicCache
-
-        base = getattr(self.model, self.model.base_model_prefix)
-        with torch.no_grad():
-            prefix = torch.tensor([ctx[:-1]], device=self.device)
-            cache = DynamicCache(config=self.model.config)
-            base(input_ids=prefix, past_key_values=cache, use_cache=True)
-            b = len(continuations)
-            if b > 1:
-                cache.batch_repeat_interleave(b)
-            seqs = [[ctx[-1], *list(c)[:-1]] for c in continuations]
-            width = max(len(x) for x in seqs)
-            ids = torch.zeros((b, width), dtype=torch.long)
-            mask = torch.zeros((b, len(ctx) - 1 + width), dtype=torch.long)
-            mask[:, : len(ctx) - 1] = 1
-            for i, x in enumerate(seqs):
-                ids[i, : len(x)] = torch.tensor(x)
-                mask[i, len(ctx) - 1 : len(ctx) - 1 + len(x)] = 1
-            pos = torch.arange(len(ctx) - 1, len(ctx) - 1 + width).unsqueeze(0).expand(b, -1)
-            hidden = base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                          position_ids=pos.to(self.device), past_key_values=cache, use_cache=True).last_hidden_state
-            out = []
-            for i, c in enumerate(continuations):
-                out.append(_token_scores(self._head(hidden[i, : len(c)]).float().cpu().numpy(), c))
-        return out
 
     # Tokens per packed forward pass: small models on a CPU run several times faster per token
     # at a few hundred rows than at one short sequence (measured on SmolLM2-135M, 2 threads).
