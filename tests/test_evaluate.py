@@ -187,7 +187,7 @@ def test_results_go_to_store_and_json_and_survive_an_interrupt(tiny_models, tmp_
     store.close()
     with sqlite3.connect(db) as con:
         names = [r[0] for r in con.execute("SELECT name FROM migrations")]
-        assert names == ["0001_runs_and_results", "0002_study_jobs"]
+        assert names == ["0001_runs_and_results", "0002_study_jobs", "0003_study_jobs_in_grid"]
         con.execute("INSERT INTO migrations VALUES ('9999_from_the_future', 'x')")
     with pytest.raises(ResultsStoreError, match="newer slmedge"):
         ResultsStore(db)

@@ -122,6 +122,24 @@ def local_store(tiny_models, tmp_path_factory):
     store.close()
 
 
+def test_an_edited_study_reports_its_current_grid_and_keeps_the_rest(local_store, tmp_path):
+    import shutil
+
+    store, f = local_store
+    copy = ResultsStore(shutil.copy(store.path, tmp_path / "copy.sqlite"))
+    text = f.read_text()
+    dropped = '\n[[methods]]\nlabel = "magnitude-50"\nmethod = "magnitude"\nsparsity = "0.5"\n'
+    assert dropped in text
+    shrunk = f.with_name("tiny-without-magnitude.toml")  # same study name, same folder, same jobs
+    shrunk.write_text(text.replace(dropped, ""))
+    counts = run_study(load_study(shrunk), copy)
+    assert counts["ran"] == 0 and counts["already_done"] == 7
+    assert {r["labels"]["method"] for r in load_rows(copy, "tiny")} == {"base", "rtn-w4"}
+    counts = run_study(load_study(f), copy)  # the method comes back: its results were kept
+    assert counts["ran"] == 0 and len(load_rows(copy, "tiny")) == 6
+    copy.close()
+
+
 def test_a_small_grid_gives_identical_results_on_both_engines(local_store, tmp_path):
     pytest.importorskip("ray")
     import ray

@@ -56,7 +56,7 @@ METHOD_HELP = "Method: " + ", ".join(METHODS) + "."
 
 
 def compress_command(
-    model: Optional[str] = typer.Argument(None, help="HF id, local HF folder, .gguf file, or an embedded name. Default: smollm2-135m."),
+    model: Optional[str] = typer.Argument(None, help="HF id, local HF folder, .gguf file, or an embedded name (smollm2-135m, gemma3-270m). Default: smollm2-135m."),
     method: str = typer.Option("awq", "--method", "-m", help=METHOD_HELP),
     bits: Optional[int] = typer.Option(None, "--bits", "-b", help="Bit width 2..8 (default 4 for quantizers; pruners only quantize when given)."),
     group_size: int = typer.Option(128, "--group-size", "-g", help="Columns per scale; -1 for per-channel. A last, shorter group is handled."),

@@ -141,7 +141,9 @@ class Artifact:
     def load_tokenizer(self):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.path)
+        from ..models.source import tokenizer_kwargs
+
+        return AutoTokenizer.from_pretrained(self.path, **tokenizer_kwargs(self.path))
 
     def layers(self) -> dict[str, LinearResult]:
         """Codes, scales, zeros, column order and masks of every compressed linear (no weights)."""

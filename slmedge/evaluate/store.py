@@ -72,6 +72,10 @@ MIGRATIONS: list[tuple[str, str]] = [
             at TEXT NOT NULL
         );
     """),
+    # Jobs that the study file no longer asks for (a setting changed) stay recorded, out of the grid.
+    ("0003_study_jobs_in_grid", """
+        ALTER TABLE study_jobs ADD COLUMN in_grid INTEGER NOT NULL DEFAULT 1;
+    """),
 ]
 
 

@@ -207,8 +207,11 @@ def _torch_subject(spec, loaded, threads, device, base, identity) -> Subject:
 def _hf_encoder(folder: Path, trust_remote_code: bool) -> HFEncoder:
     from transformers import AutoTokenizer
 
+    from ..models.source import tokenizer_kwargs
+
     try:
-        return HFEncoder(AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code))
+        return HFEncoder(AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code,
+                                                       **tokenizer_kwargs(folder)))
     except Exception as exc:  # noqa: BLE001
         raise ConfigError(f"{folder} has no tokenizer files beside the ONNX model; export with slmedge export "
                           f"(which copies them) ({str(exc).splitlines()[0][:150]})") from exc

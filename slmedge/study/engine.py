@@ -36,10 +36,15 @@ class StudyStore:
         self.db = store.db
 
     def register(self, study: str, jobs: list[Job]) -> None:
+        """Record the study's grid. Jobs of an earlier version of the file that this one no longer
+        asks for keep their results but leave the grid (the report shows the file as it is now);
+        a job that comes back into the file finds its finished result again."""
         with self.db:
+            self.db.execute("UPDATE study_jobs SET in_grid = 0 WHERE study = ?", (study,))
             for j in jobs:
                 self.db.execute(
-                    "INSERT OR IGNORE INTO study_jobs (study, job_id, kind, spec, labels, deps) VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO study_jobs (study, job_id, kind, spec, labels, deps) VALUES (?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT (study, job_id) DO UPDATE SET in_grid = 1, labels = excluded.labels",
                     (study, j.id, j.kind, json.dumps(j.spec, sort_keys=True), json.dumps(j.labels, sort_keys=True),
                      json.dumps(j.deps)))
 
@@ -217,7 +222,7 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
         raise SlmedgeError(f"unknown engine '{engine}': local or ray")
     by_id = {j.id: j for j in jobs}
     remaining = [j for j in jobs if j.id not in done]
-    counts = {"jobs": len(jobs), "already_done": len(done), "ran": 0, "reused": 0, "failed": 0, "blocked": 0}
+    counts = {"jobs": len(jobs), "already_done": sum(1 for j in jobs if j.id in done), "ran": 0, "reused": 0, "failed": 0, "blocked": 0}
     failed: set[str] = set()
     running: dict = {}
     started = time.perf_counter()

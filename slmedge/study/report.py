@@ -31,7 +31,8 @@ SYSTEM = [("file_bytes", "size MB", lambda v: f"{v / 1e6:.1f}"), ("bits_per_weig
 def load_rows(store, study: str | None = None) -> list[dict]:
     """One dict per evaluation: ``label`` fields, ``metrics[metric][subset] = value``, run info."""
     db = store.db
-    q = "SELECT study, labels, run_id FROM study_jobs WHERE kind = 'evaluate' AND status = 'done'"
+    q = ("SELECT study, labels, run_id, spec FROM study_jobs "
+         "WHERE kind = 'evaluate' AND status = 'done' AND in_grid = 1")
     args: tuple = ()
     if study:
         q += " AND study = ?"
@@ -41,10 +42,10 @@ def load_rows(store, study: str | None = None) -> list[dict]:
         known = [r[0] for r in db.execute("SELECT DISTINCT study FROM study_jobs")]
         raise ConfigError(f"no finished evaluations of study '{study}' in {store.path} (studies: {', '.join(known) or 'none'})")
     if not jobs:  # a store of plain evaluations
-        jobs = [(None, json.dumps({"model": m, "method": "-", "export": rt, "target": t}), rid)
+        jobs = [(None, json.dumps({"model": m, "method": "-", "export": rt, "target": t}), rid, "{}")
                 for rid, m, rt, t in db.execute("SELECT id, model, runtime, target FROM runs ORDER BY id")]
     out = []
-    for st, labels, run_id in jobs:
+    for st, labels, run_id, spec in jobs:
         run = db.execute("SELECT model, runtime, threads, target, emulated, settings FROM runs WHERE id = ?",
                          (run_id,)).fetchone()
         if run is None:
@@ -56,11 +57,32 @@ def load_rows(store, study: str | None = None) -> list[dict]:
             if extra and metric in ("acc", "acc_norm"):
                 metrics.setdefault("_n", {})[subset] = json.loads(extra).get("n")
         lab = json.loads(labels)
+        level = _compression_bits(db, st, json.loads(spec).get("subject"), lab, _value({"metrics": metrics},
+                                                                                       "bits_per_weight"))
         out.append({"study": st, "labels": lab, "run_id": run_id, "runtime": run[1], "threads": run[2],
+                    "compression_bits": level,
                     "target": run[3], "emulated": bool(run[4]), "settings": json.loads(run[5]), "metrics": metrics,
                     "name": " · ".join(str(x) for x in (lab.get("model"), lab.get("method"), lab.get("export"),
                                                          lab.get("target")) if x not in (None, "", "none"))})
     return out
+
+
+def _compression_bits(db, study, subject, labels, file_bits):
+    """Bits per weight as the compression level of what was evaluated: an export's file; a
+    quantized artifact's codes and scales (its manifest; the artifact file itself holds fp32);
+    a pruned one's 16 x density (the fp16 values kept, sparse indices not counted); the base 16."""
+    if labels.get("format") not in (None, "none"):
+        return file_bits
+    if labels.get("method_name") in (None, "none", "-"):
+        return 16.0 if labels.get("method_name") == "none" else file_bits
+    row = db.execute("SELECT output FROM study_jobs WHERE study = ? AND job_id = ?", (study, subject)).fetchone()
+    try:
+        summary = json.loads((Path(row[0]) / "slmedge.json").read_text())["summary"]
+    except (TypeError, OSError, ValueError, KeyError):
+        return None  # the artifact is gone: no level to plot it at
+    if summary.get("bits_per_weight"):
+        return float(summary["bits_per_weight"])
+    return 16.0 * (1.0 - float(summary.get("sparsity") or 0.0))
 
 
 def _value(row, metric, subset=None):
@@ -133,6 +155,8 @@ def caveats(rows: list[dict]) -> list[str]:
     if any(m in (None, "smollm2-135m", "smollm2") or str(m).endswith(".gguf") for m in models):
         out.append("The embedded SmolLM2-135M baseline is a Q4_1 GGUF dequantized to fp32: its own quantization noise "
                    "is part of the 'full-precision' base, and a method that re-finds that grid is favoured.")
+    if "gemma3-270m" in models:
+        out.append("The embedded Gemma 3 270M baseline is a Q4_K_M GGUF dequantized to fp32, with the same caveat.")
     if any(r["emulated"] for r in rows):
         out.append("Rows marked emulated ran under qemu: their timings are not device latency (the roofline there is a "
                    "projection).")
@@ -168,15 +192,15 @@ def plots(rows: list[dict]) -> list[tuple[str, bytes]]:
 
     out = []
     langs = _subsets(rows, "perplexity")
-    pts = [r for r in rows if _value(r, "bits_per_weight") is not None]
+    pts = [r for r in rows if r.get("compression_bits") is not None]
     if langs and pts:
         fig, ax = plt.subplots(figsize=(7, 4))
         for lang in langs:
-            xy = sorted((_value(r, "bits_per_weight"), _value(r, "perplexity", lang)) for r in pts
+            xy = sorted((r["compression_bits"], _value(r, "perplexity", lang)) for r in pts
                         if _value(r, "perplexity", lang) is not None)
             if xy:
-                ax.plot([p[0] for p in xy], [p[1] for p in xy], "o-", label=lang)
-        ax.set_xlabel("bits per weight (file)")
+                ax.plot([p[0] for p in xy], [p[1] for p in xy], "o", label=lang, alpha=0.8)
+        ax.set_xlabel("bits per weight (quantized: codes + scales; pruned: 16 x density; exports: file)")
         ax.set_ylabel("perplexity")
         ax.set_yscale("log")
         ax.set_title("Perplexity against compression level, per language")
