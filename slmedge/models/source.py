@@ -253,19 +253,22 @@ def _load_weights(target, source, revision, trust_remote_code, dtype):
 _MISTRAL_REGEX_TYPES = {"mistral", "mistral3", "voxtral", "ministral", "pixtral"}
 
 
+def _tokenizer_extra(model_type: str | None) -> dict:
+    return {"fix_mistral_regex": False} if model_type and model_type not in _MISTRAL_REGEX_TYPES else {}
+
+
 def tokenizer_kwargs(folder) -> dict:
     """Extra ``AutoTokenizer.from_pretrained`` arguments for a local model folder."""
     try:
-        model_type = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+        return _tokenizer_extra(json.loads((Path(folder) / "config.json").read_text()).get("model_type"))
     except (OSError, ValueError):
         return {}
-    return {"fix_mistral_regex": False} if model_type and model_type not in _MISTRAL_REGEX_TYPES else {}
 
 
 def _load_tokenizer(target, source, revision, trust_remote_code, model_type=None):
     from transformers import AutoTokenizer
 
-    extra = {"fix_mistral_regex": False} if model_type and model_type not in _MISTRAL_REGEX_TYPES else {}
+    extra = _tokenizer_extra(model_type)
     try:
         return AutoTokenizer.from_pretrained(target, revision=revision, trust_remote_code=trust_remote_code, **extra)
     except Exception as exc:
