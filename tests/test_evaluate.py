@@ -303,13 +303,18 @@ def test_lm_eval_command_passes_through_with_slmedge_registered():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "gemma2", "gemma3_text"])
-def test_shared_prefix_scoring_equals_one_sequence_at_a_time(model_type, tiny_models):
+def test_shared_prefix_scoring_equals_one_sequence_at_a_time(model_type, tiny_models, monkeypatch):
     from slmedge.runtimes import Runtime
 
     sub = open_subject(tiny_models(model_type))
     ctx, conts = list(range(5, 25)), [[30, 31, 32], [40], [50, 51, 52, 53, 54]]  # longer than Gemma's window 16
-    fast = sub.runtime.continuation_scores(ctx, conts)
     slow = Runtime.continuation_scores(sub.runtime, ctx, conts)  # the generic path: one forward each
+
+    def whole_model(*a, **k):  # the padded fallback; the shared-prefix path runs the decoder and the head
+        raise AssertionError("the shared-prefix path fell back to whole-sequence logits")
+
+    monkeypatch.setattr(sub.runtime.model, "forward", whole_model)
+    fast = sub.runtime.continuation_scores(ctx, conts)
     for (a, ga), (b, gb) in zip(fast, slow):
         assert np.abs(a - b).max() < 1e-4 and ga == gb
 
@@ -321,8 +326,13 @@ def test_packed_scoring_across_contexts_equals_one_group_at_a_time(model_type, t
     groups = [(list(range(5, 25)), [[30, 31, 32], [40], [50, 51, 52, 53, 54]]),
               ([7], [[8, 9]]),  # a one-token context
               (list(range(60, 66)), [[70, 71], [72]]),
-              (list(range(100, 140)), [[3] * 7])]
+              (list(range(100, 140)), [[3] * 7]),
+              (list(range(80, 84)), [[85], [86, 87]]),  # short: packed together even within Gemma's window 16
+              (list(range(90, 93)), [[94, 95, 96]])]
     sub = open_subject(tiny_models(model_type))
+    packs = []
+    real = sub.runtime._packed_scores
+    sub.runtime._packed_scores = lambda gs: packs.append(len(gs)) or real(gs)
     subjects = [sub]
     if model_type in ("llama", "qwen3"):
         export_onnx(tiny_models(model_type), tmp_path / "onnx", "fp32", verify=False)
@@ -336,3 +346,4 @@ def test_packed_scoring_across_contexts_equals_one_group_at_a_time(model_type, t
             for (a, ga), (b, gb), c in zip(got, want, conts):
                 assert a.shape == (len(c),) and np.abs(a - b).max() < 1e-4 and ga == gb
         s.close()
+    assert max(packs) >= 2  # contexts were packed together (for Gemma: only those that fit its window)

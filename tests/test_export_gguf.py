@@ -1,6 +1,7 @@
 """GGUF export on tiny models: llama.cpp loads what we write, and the artifact's codes arrive as they are."""
 
 import json
+import shutil
 import warnings
 
 import gguf
@@ -29,6 +30,8 @@ CASES = [
     ("qwen3", "awq", dict(bits=4, group_size=64, symmetric=False), "Q4_1"),
     ("phi3", "gptq", dict(bits=4, group_size=32, symmetric=True), "Q4_0"),
     ("phi3", "awq", dict(bits=4, group_size=32, symmetric=False), "Q4_1"),
+    ("gemma3_text", "gptq", dict(bits=4, group_size=32, symmetric=True), "Q4_0"),
+    ("gemma3_text", "awq", dict(bits=4, group_size=32, symmetric=False), "Q4_1"),
 ]
 
 
@@ -87,8 +90,38 @@ def test_every_gguf_architecture_f32_matches_torch_and_names_itself(model_type, 
         assert "blk.0.attn_qkv.weight" in tensors and tuple(tensors["blk.0.ffn_up.weight"].shape) == (64, 256)
 
 
+def test_gemma3_writes_its_layer_types_and_norm_offset_and_refuses_what_llamacpp_would_compute_otherwise(
+        tiny_models, tmp_path):
+    src = tiny_models("gemma3_text")  # layer 0 sliding (window 16), layer 1 full; the probe is longer than 16
+    report = export_gguf(src, tmp_path / "m.gguf", qtype="f32")
+    assert report["verification"]["mean_kl"] < 1e-5  # without the per-layer flags llama.cpp slides both: KL ~0.1
+    _, fields, tensors = read(tmp_path / "m.gguf")
+    assert fields["general.architecture"] == "gemma3"
+    assert fields["gemma3.attention.sliding_window"] == 16
+    assert list(fields["gemma3.attention.sliding_window_pattern"]) == [True, False]
+    assert fields["gemma3.rope.freq_base_swa"] == 10000.0
+    model = AutoModelForCausalLM.from_pretrained(src)
+    for hf, name in (("model.layers.0.self_attn.q_norm", "blk.0.attn_q_norm.weight"),
+                     ("model.layers.1.pre_feedforward_layernorm", "blk.1.ffn_norm.weight"),
+                     ("model.norm", "output_norm.weight")):  # Gemma's RMSNorm scales by 1 + weight
+        weight = model.get_submodule(hf).weight.data.numpy()
+        assert np.array_equal(np.asarray(tensors[name].data), weight + 1), name
+    # Configurations llama.cpp's gemma3 would silently compute differently are refused, with nothing written.
+    for key, value, words in (("query_pre_attn_scalar", 32, "query_pre_attn_scalar 32"),
+                              ("layer_types", ["sliding_attention"], "layer_types"),
+                              ("attn_logit_softcapping", 50.0, "soft-capping")):
+        bad = tmp_path / key
+        shutil.copytree(src, bad)
+        config = json.loads((bad / "config.json").read_text())
+        config[key] = value
+        (bad / "config.json").write_text(json.dumps(config))
+        with pytest.raises(GGUFExportError, match=words):
+            export_gguf(bad, tmp_path / f"{key}.gguf", qtype="f32", verify=False)
+        assert not (tmp_path / f"{key}.gguf").exists()
+
+
 def test_unsupported_gguf_architecture_lists_the_supported_ones(tiny_models, tmp_path):
-    with pytest.raises(UnsupportedArchitectureError, match="supported: llama, mistral, qwen2, qwen3, phi3"):
+    with pytest.raises(UnsupportedArchitectureError, match="supported: llama, mistral, qwen2, qwen3, phi3, gemma3_text"):
         export_gguf(tiny_models("gemma2"), tmp_path / "m.gguf")
     assert not list(tmp_path.iterdir())
 

@@ -36,6 +36,7 @@ from ..compress.artifact import MANIFEST, Artifact
 from ..compress.quant import QuantSpec
 from ..errors import OutputExistsError, UnsupportedArchitectureError
 from ..fsutil import sha256_file
+from ..models.source import tokenizer_kwargs
 from . import ExportError, GGUFExportError, GGUFVerificationError
 from .source import iter_weights, open_export_source
 
@@ -63,6 +64,11 @@ class GGUFArch:
     output_required: bool = False
     # Write {arch}.attention.sliding_window from config.sliding_window.
     sliding_window: bool = False
+    # Added to every ``*norm.weight`` (Gemma's RMSNorm multiplies by 1 + weight; llama.cpp's by weight).
+    norm_offset: float = 0.0
+    # Sliding-window layers as config.layer_types says, one flag per layer, and the rotary base
+    # of those layers (config.rope_local_base_freq) — Gemma 3.
+    layer_types: bool = False
 
 
 _LLAMA_PERMUTE = (("self_attn.q_proj", "num_attention_heads"), ("self_attn.k_proj", "num_key_value_heads"))
@@ -74,6 +80,9 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     "qwen3": GGUFArch("qwen3", "QWEN3", (), False, ("default",)),
     # Phi-3: fused qkv_proj/gate_up_proj are llama.cpp's attn_qkv/ffn_up as they are; NEOX rotary.
     "phi3": GGUFArch("phi3", "PHI3", (), True, ("default",), output_required=True, sliding_window=True),
+    # Gemma 3 (text): NEOX rotary; embeddings scaled by sqrt(hidden) inside llama.cpp as in transformers.
+    "gemma3_text": GGUFArch("gemma3_text", "GEMMA3", (), False, ("default", "linear"), sliding_window=True,
+                            norm_offset=1.0, layer_types=True),
 }
 
 # Byte-level BPE pre-tokenizers, recognised by the structure of tokenizer.json's pre_tokenizer,
@@ -281,6 +290,8 @@ def _add_hparams(writer, src: _Source, ftype) -> list:
         writer.add_rope_dimension_count(int(head_dim * float(_hparam(c, "partial_rotary_factor", 1.0))))
     if src.arch.sliding_window and _hparam(c, "sliding_window"):
         writer.add_sliding_window(int(c.sliding_window))
+    if src.arch.layer_types:
+        _add_layer_types(writer, c, head_dim)
     theta, scaling = _rope(c)
     writer.add_rope_freq_base(theta)
     extra = []
@@ -297,6 +308,33 @@ def _add_hparams(writer, src: _Source, ftype) -> list:
     writer.add_file_type(ftype)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     return extra
+
+
+def _add_layer_types(writer, c, head_dim: int) -> None:
+    """Gemma 3's per-layer attention (sliding or full) and what llama.cpp assumes of the rest.
+
+    llama.cpp's gemma3 reads the sliding layers from a per-layer flag array (its default is every
+    sixth layer full), their rotary base from rope.freq_base_swa, and scales queries by
+    1/sqrt(head_dim) (the 27B by hidden/heads) with no attention soft-capping; a model that
+    differs on those is refused rather than written to compute something else."""
+    types = list(_hparam(c, "layer_types", []) or [])
+    if len(types) != int(c.num_hidden_layers) or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise GGUFExportError(f"config.layer_types ({types}) does not give 'sliding_attention' or 'full_attention' "
+                              f"for each of the {c.num_hidden_layers} layers")
+    if _hparam(c, "attn_logit_softcapping") is not None:
+        raise GGUFExportError("attention logit soft-capping is not computed by llama.cpp's gemma3; cannot export")
+    scalar = _hparam(c, "query_pre_attn_scalar", head_dim)
+    if int(c.num_hidden_layers) != 62 and float(scalar) != float(head_dim):
+        raise GGUFExportError(f"query_pre_attn_scalar {scalar} differs from head_dim {head_dim}: llama.cpp's gemma3 "
+                              "scales queries by 1/sqrt(head_dim); cannot export")
+    if _hparam(c, "final_logit_softcapping"):
+        writer.add_final_logit_softcapping(float(c.final_logit_softcapping))
+    sliding = [t == "sliding_attention" for t in types]
+    if any(sliding) and not _hparam(c, "sliding_window"):
+        raise GGUFExportError("config.layer_types has sliding-attention layers but config.sliding_window is unset")
+    if _hparam(c, "sliding_window"):  # written above; without the flags llama.cpp would assume its default
+        writer.add_sliding_window_pattern(sliding)
+        writer.add_rope_freq_base_swa(float(_hparam(c, "rope_local_base_freq", 10000.0)))
 
 
 # --- tokenizer --------------------------------------------------------------------------------
@@ -405,7 +443,7 @@ def _add_tokenizer(writer, src: _Source) -> dict:
     model = tj.get("model", {})
     if model.get("type") != "BPE" or model.get("byte_fallback"):
         return _add_sentencepiece(writer, src, vocab_size)
-    tok = AutoTokenizer.from_pretrained(str(src.path))
+    tok = AutoTokenizer.from_pretrained(str(src.path), **tokenizer_kwargs(src.path))
     pre, recognised = pre_tokenizer_name(tj)
     if not recognised:
         warnings.warn(f"the pre-tokenizer of {tj_path} is not one slmedge knows; written as llama.cpp's 'default' "
@@ -490,7 +528,7 @@ def _add_sentencepiece(writer, src: _Source, vocab_size: int) -> dict:
     # on the tokenizer's legacy/prepend settings; write what transformers does.
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(src.path))
+    tok = AutoTokenizer.from_pretrained(str(src.path), **tokenizer_kwargs(src.path))
     pieces = tok.convert_ids_to_tokens(tok("a", add_special_tokens=False)["input_ids"])
     space_prefix = bool(pieces) and pieces[0].startswith("\u2581")
     writer.add_add_space_prefix(space_prefix)
@@ -530,7 +568,7 @@ def verify_against_torch(gguf_path: Path, src: _Source, tolerance: dict, probe: 
     from ..models.gguf_check import PROBE, compare_logits, llamacpp_logits, vocab_only
 
     probe = PROBE if probe is None else probe
-    tok = AutoTokenizer.from_pretrained(str(src.path))
+    tok = AutoTokenizer.from_pretrained(str(src.path), **tokenizer_kwargs(src.path))
     ids = tok(probe, add_special_tokens=False)["input_ids"]
     try:
         with vocab_only(gguf_path) as llm:
@@ -591,7 +629,7 @@ def _model_name(src: _Source) -> str:
     if any(k in name.lower() for k in ("phi3", "phi-3")):
         from transformers import AutoTokenizer
 
-        vocab = AutoTokenizer.from_pretrained(str(src.path)).get_vocab()
+        vocab = AutoTokenizer.from_pretrained(str(src.path), **tokenizer_kwargs(src.path)).get_vocab()
         if not all(t in vocab for t in ("</s>", "<unk>", "<s>", "<|endoftext|>")):
             name = name.lower().replace("phi-3", "phi 3").replace("phi3", "phi 3")
     return name
@@ -656,6 +694,8 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         name = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise GGUFExportError(f"tensor {hf_name} has no GGUF name for {src.arch.arch.lower()}; cannot export it")
+        if src.arch.norm_offset and hf_name.endswith("norm.weight"):
+            w = w + np.float32(src.arch.norm_offset)
         layer, _, suffix = hf_name.rpartition(".")
         heads = next((n for rel, n in permute.items() if layer.endswith("." + rel)), None)
         if heads is not None:

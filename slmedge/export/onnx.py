@@ -35,6 +35,7 @@ import numpy as np
 from ..compress.quant import QuantSpec, pack_codes
 from ..errors import UnsupportedArchitectureError
 from ..fsutil import atomic_directory, check_output_dir, sha256_file, write_json_atomic
+from ..models.source import tokenizer_kwargs
 from . import ExportError
 from .source import iter_weights, open_export_source
 
@@ -339,7 +340,7 @@ def verify_against_torch(onnx_dir: Path, src_path: Path, tolerance: dict, probe:
     from ..models.gguf_check import PROBE, compare_logits
     from ..runtimes.ort import OrtDecoder
 
-    tok = AutoTokenizer.from_pretrained(str(src_path))
+    tok = AutoTokenizer.from_pretrained(str(src_path), **tokenizer_kwargs(src_path))
     ids = tok(PROBE if probe is None else probe, add_special_tokens=True)["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(str(src_path), dtype=torch.float32)
     model.eval()

@@ -179,24 +179,39 @@ class TorchRuntime(Runtime):
     # at a few hundred rows than at one short sequence (measured on SmolLM2-135M, 2 threads).
     pack_tokens = 384
 
-    def score_groups(self, groups):
+    def _attention_window(self) -> int | None:
+        """The smallest sliding window of any layer, None when every layer attends to everything."""
         cfg = self.model.config
-        sliding = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+        window = getattr(cfg, "sliding_window", None)
+        sliding = window and getattr(cfg, "use_sliding_window", True)
         if sliding or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
-            return super().score_groups(groups)  # positions past the padded prefix would shift windows
+            return int(window or 0)
+        return None
+
+    def score_groups(self, groups):
+        # Packed rows sit behind their batch's longest prefix, so their slots are further apart than
+        # their positions. A sliding window (Gemma 2/3, Mistral) masks by slot: packing is exact
+        # only while a whole packed row (prefix slots + continuation) fits in the window, where
+        # no key is ever outside it; longer groups run alone (no padding, slots == positions).
+        window = self._attention_window()
         out: list = [None] * len(groups)
-        order = sorted((i for i, (ctx, conts) in enumerate(groups) if len(ctx) > 1 and conts),
-                       key=lambda i: -(len(groups[i][0]) + max(len(c) for c in groups[i][1])))
-        for i, (ctx, conts) in enumerate(groups):
-            if len(ctx) <= 1 or not conts:
-                out[i] = self.continuation_scores(ctx, conts)
+
+        def span(i):
+            return len(groups[i][0]) - 1 + max(len(c) for c in groups[i][1])
+
+        alone = [i for i, (ctx, conts) in enumerate(groups)
+                 if len(ctx) <= 1 or not conts or (window is not None and span(i) > window)]
+        for i in alone:
+            out[i] = self.continuation_scores(*groups[i])
+        skip = set(alone)
+        order = sorted((i for i in range(len(groups)) if i not in skip), key=lambda i: -(span(i) + 1))
         batch: list[int] = []
         for i in order:
             trial = batch + [i]
             p = max(len(groups[j][0]) - 1 for j in trial)
             w = max(len(c) for j in trial for c in groups[j][1])
             n = sum(len(groups[j][1]) for j in trial)
-            if batch and len(trial) * p + n * w > self.pack_tokens:
+            if batch and (len(trial) * p + n * w > self.pack_tokens or (window is not None and p + w > window)):
                 for j, r in zip(batch, self._packed_scores([groups[j] for j in batch])):
                     out[j] = r
                 batch = [i]
@@ -214,7 +229,7 @@ class TorchRuntime(Runtime):
         torch = self.torch
         from transformers import DynamicCache
 
-        base = getattr(self.model, self.model.base_model_prefix)
+        base = self.model.get_decoder()  # not base_model_prefix: Gemma 3's names a module it does not have
         plen = [len(ctx) - 1 for ctx, _ in groups]
         p = max(plen)
         rows = [(g, c) for g, (_, conts) in enumerate(groups) for c in conts]

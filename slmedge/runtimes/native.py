@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
 import sys
 
@@ -16,7 +18,17 @@ def require_llama_cpp():
         raise RuntimeNotInstalledError(
             "llama.cpp's Python binding is not installed: pip install llama-cpp-python"
         ) from exc
+    _close_bindings_null_files_at_exit()
     return llama_cpp
+
+
+@functools.cache
+def _close_bindings_null_files_at_exit() -> None:
+    """llama-cpp-python opens two os.devnull files at import and never closes them, so every
+    command that used it ended with two "ResourceWarning: unclosed file" lines; close them at exit."""
+    utils = sys.modules.get("llama_cpp._utils")
+    files = [getattr(utils, name, None) for name in ("outnull_file", "errnull_file")]
+    atexit.register(lambda: [f.close() for f in files if f is not None and not f.closed])
 
 
 @contextlib.contextmanager
