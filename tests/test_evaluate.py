@@ -347,3 +347,23 @@ def test_packed_scoring_across_contexts_equals_one_group_at_a_time(model_type, t
                 assert a.shape == (len(c),) and np.abs(a - b).max() < 1e-4 and ga == gb
         s.close()
     assert max(packs) >= 2  # contexts were packed together (for Gemma: only those that fit its window)
+
+
+def test_token_scores_are_the_same_with_and_without_torch(monkeypatch):
+    import sys
+
+    from slmedge.runtimes import _token_scores
+
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((7, 5000)) * 10).astype(np.float32)
+    targets = rng.integers(0, 5000, 7)
+    x = logits.astype(np.float64)
+    want = x[np.arange(7), targets] - np.log(np.exp(x).sum(-1))
+    with_torch, greedy = _token_scores(logits, targets)
+    monkeypatch.delitem(sys.modules, "torch")  # as on a target without torch: numpy's log-sum-exp
+    without, greedy2 = _token_scores(logits, targets)
+    assert with_torch.dtype == without.dtype == np.float64
+    assert np.abs(with_torch - want).max() < 1e-9 and np.abs(without - want).max() < 1e-9
+    assert greedy is greedy2 is False
+    top = logits.argmax(-1)
+    assert _token_scores(logits, top)[1] is True
