@@ -6,6 +6,7 @@ checked one by one on whatever the store holds.
     .venv/bin/python scripts/bench_study.py                          # the quick study (~30 min, 2 cores)
     .venv/bin/python scripts/bench_study.py --study scripts/studies/seed.toml   # the seed grid (hours; resumable)
     .venv/bin/python scripts/bench_study.py --study scripts/studies/seed.toml --models smollm2-135m
+    .venv/bin/python scripts/bench_study.py --study scripts/studies/seed.toml --findings-only   # both models, run nothing
 
 Findings checked per model (the seed study's claims): quantization ahead of pruning on fidelity
 (mean KL, top-1), on multilingual perplexity (geometric mean over corpora) and on task accuracy
@@ -104,6 +105,32 @@ def findings(rows: list[dict]) -> list[str]:
     return out
 
 
+def print_per_model(rows) -> None:
+    for model in dict.fromkeys(r["labels"].get("model") for r in rows):  # each model's grid on its own
+        mine = [r for r in rows if r["labels"].get("model") == model]
+        print(f"{model}: {len(mine)} evaluations")
+        for line in findings(mine):
+            print("  " + line)
+
+
+def print_findings_only(study, store, wd: Path) -> int:
+    from slmedge.study.engine import StudyStore
+    from slmedge.study.jobs import build_jobs
+    from slmedge.study.report import load_rows, write_report
+
+    jobs = build_jobs(study, wd / "work")
+    StudyStore(store).register(study.name, jobs)  # the current grid: nothing runs
+    rows = load_rows(store, study.name)
+    wanted = sum(1 for j in jobs if j.kind == "evaluate")
+    print(f"study {study.name}: {len(rows)} of {wanted} evaluations finished (nothing run now)")
+    print_per_model(rows)
+    report = wd / f"{study.name}.html"
+    write_report(store, report, "html", study.name)
+    print(f"report: {report}")
+    store.close()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--study", type=Path, default=ROOT / "scripts" / "studies" / "quick.toml")
@@ -112,6 +139,9 @@ def main() -> int:
     ap.add_argument("--engine", default="local")
     ap.add_argument("--models", help="Run only these of the study's models (comma-separated); the report and "
                                      "findings cover what the store holds for the study.")
+    ap.add_argument("--findings-only", action="store_true",
+                    help="Run nothing: take the study file (and --models) as the current grid and print the "
+                         "findings of its finished evaluations (a partial grid, or a grid run model by model).")
     args = ap.parse_args()
     import shutil
 
@@ -134,6 +164,8 @@ def main() -> int:
         shutil.rmtree(wd, ignore_errors=True)
     wd.mkdir(parents=True, exist_ok=True)
     store = ResultsStore(wd / "results.sqlite")
+    if args.findings_only:
+        return print_findings_only(study, store, wd)
     t = time.perf_counter()
     counts = run_study(study, store, engine=args.engine, workdir=wd / "work",
                        progress=lambda j, c, left: print(f"[{time.strftime('%H:%M:%S')}] {j.kind} {j.id} done, "
@@ -155,11 +187,7 @@ def main() -> int:
           f"wall {wall:.0f} s, {counts['ran'] / max(wall / 60, 1e-9):.2f} jobs/min")
     print(f"job time with sharing {shared:.0f} s; every evaluation's chain alone {alone:.0f} s; "
           f"sharing saved {alone - shared:.0f} s ({1 - shared / alone:.0%})" if alone else "")
-    for model in dict.fromkeys(r["labels"].get("model") for r in rows):  # each model's grid on its own
-        mine = [r for r in rows if r["labels"].get("model") == model]
-        print(f"{model}: {len(mine)} evaluations")
-        for line in findings(mine):
-            print("  " + line)
+    print_per_model(rows)
     print(f"report: {report}")
     store.close()
     return 0
