@@ -42,6 +42,7 @@ class Runtime(ABC):
     """A loaded model in one runtime."""
 
     name: str = ""
+    torch_lse = False  # token scores' log-sum-exp in torch (the torch runtime) or numpy
 
     def __init__(self, threads: int | None = None):
         self.threads = int(threads or os.cpu_count() or 1)
@@ -68,7 +69,7 @@ class Runtime(ABC):
         for cont in continuations:
             seq = list(context) + list(cont)
             logits = self.logits(seq[:-1])
-            out.append(_token_scores(logits[len(context) - 1 :], cont))
+            out.append(_token_scores(logits[len(context) - 1 :], cont, self.torch_lse))
         return out
 
     def score_groups(self, groups: list[tuple[list[int], list[list[int]]]]) -> list[list[tuple[np.ndarray, bool]]]:
@@ -105,25 +106,25 @@ class Runtime(ABC):
         pass
 
 
-def _logsumexp_rows(x: np.ndarray) -> np.ndarray:
-    """Each row's log-sum-exp in float64. torch's (threaded) when the process already has torch:
-    on Gemma 3's 262k vocabulary numpy's takes ~3 s per 512-token window on 2 cores, a third of
-    the model's own time; targets without torch keep numpy's."""
-    import sys
+def _logsumexp_rows(x: np.ndarray, in_torch: bool = False) -> np.ndarray:
+    """Each row's log-sum-exp in float64. The torch runtime computes it in torch (threaded: on
+    Gemma 3's 262k vocabulary numpy's takes ~3 s per 512-token window on 2 cores, a third of the
+    model's own time); the other runtimes keep numpy's, so a target without torch gives the same
+    bits as a local run of the same runtime."""
+    if in_torch:
+        import torch
 
-    torch = sys.modules.get("torch")
-    if torch is not None:
         return torch.logsumexp(torch.from_numpy(np.ascontiguousarray(x)).double(), -1).numpy()
     x = x.astype(np.float64)
     m = x.max(-1, keepdims=True)
     return (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))[:, 0]
 
 
-def _token_scores(logits: np.ndarray, targets) -> tuple[np.ndarray, bool]:
+def _token_scores(logits: np.ndarray, targets, in_torch: bool = False) -> tuple[np.ndarray, bool]:
     """(log softmax(logits)[i, targets[i]] per row in float64, every target the row's argmax)."""
     t = np.asarray(targets)
     picked = logits[np.arange(len(t)), t].astype(np.float64)
-    return picked - _logsumexp_rows(logits), bool((logits.argmax(-1) == t).all())
+    return picked - _logsumexp_rows(logits, in_torch), bool((logits.argmax(-1) == t).all())
 
 
 def _padded(context, continuations, pad: int):
@@ -149,6 +150,7 @@ def torch_tanh_cap(logits, cap: float):
 
 class TorchRuntime(Runtime):
     name = "torch"
+    torch_lse = True
 
     def __init__(self, model, threads: int | None = None, device: str = "cpu"):
         import torch
@@ -185,7 +187,7 @@ class TorchRuntime(Runtime):
                                 attention_mask=torch.from_numpy(mask).to(self.device), use_cache=False).logits
         logits = logits.float().cpu().numpy()
         n = len(ctx)
-        return [_token_scores(logits[i, n - 1 : n - 1 + len(c)], c) for i, c in enumerate(continuations)]
+        return [_token_scores(logits[i, n - 1 : n - 1 + len(c)], c, True) for i, c in enumerate(continuations)]
 
     # Tokens per packed forward pass: small models on a CPU run several times faster per token
     # at a few hundred rows than at one short sequence (measured on SmolLM2-135M, 2 threads).
@@ -272,7 +274,7 @@ class TorchRuntime(Runtime):
         out: list[list] = [[] for _ in groups]
         at = 0
         for g, c in rows:
-            out[g].append(_token_scores(logits[at : at + len(c)], c))
+            out[g].append(_token_scores(logits[at : at + len(c)], c, True))
             at += len(c)
         return out
 
