@@ -62,22 +62,26 @@ def test_gemma3_tokenizes_every_corpus_and_task_as_llama_cpp_does(gemma):
             assert ours == theirs, f
 
 
-def test_gemma3_torch_and_llama_cpp_agree_on_perplexity(gemma):
+def _torch_and_llama_cpp_perplexity(specs, lang: str, windows: int):
+    """Perplexity of the same weights in torch and in llama.cpp, 512-token windows of one corpus."""
     from slmedge.evaluate.corpora import load_corpus
     from slmedge.evaluate.perplexity import runtime_perplexity
     from slmedge.evaluate.subject import open_subject
 
+    out = {}
+    for spec in specs:
+        sub = open_subject(str(spec), n_ctx=1024)
+        assert sub.encoder.adds_bos  # as the file says
+        out[sub.runtime.name], _ = runtime_perplexity(sub.runtime, sub.encoder, load_corpus(lang), seqlen=512,
+                                                      max_windows=windows)
+        sub.close()
+    return out["torch"], out["llama.cpp"]
+
+
+def test_gemma3_torch_and_llama_cpp_agree_on_perplexity(gemma):
     lm, gguf = gemma
     for lang, windows in (("en", 4), ("th", 2)):
-        text = load_corpus(lang)
-        out = {}
-        for spec in (str(lm.hf_dir), str(gguf)):
-            sub = open_subject(spec, n_ctx=1024)
-            assert sub.encoder.adds_bos  # as the file says
-            out[sub.runtime.name], _ = runtime_perplexity(sub.runtime, sub.encoder, text, seqlen=512,
-                                                          max_windows=windows)
-            sub.close()
-        t, c = out["torch"], out["llama.cpp"]
+        t, c = _torch_and_llama_cpp_perplexity((lm.hf_dir, gguf), lang, windows)
         assert t.tokens == c.tokens and t.bytes == c.bytes
         # Q4_K_M: llama.cpp multiplies with 8-bit-quantized activations, torch with the
         # dequantized weights in fp32. Measured: en 4 x 512 torch 52.34, llama.cpp 53.46 (+2.1%);
@@ -100,9 +104,6 @@ def test_gemma3_codes_reach_llama_cpp_and_score_as_torch_does(gemma, tmp_path):
     """Compress the real model, export its codes as Q4_0 blocks, and read the file back in llama.cpp."""
     from slmedge.compress.api import compress
     from slmedge.compress.recipe import Recipe
-    from slmedge.evaluate.corpora import load_corpus
-    from slmedge.evaluate.perplexity import runtime_perplexity
-    from slmedge.evaluate.subject import open_subject
     from slmedge.export.gguf import export_gguf
 
     sym = compress("gemma3-270m", Recipe(method="rtn", bits=4, group_size=32, symmetric=True), tmp_path / "rtn",
@@ -112,12 +113,6 @@ def test_gemma3_codes_reach_llama_cpp_and_score_as_torch_does(gemma, tmp_path):
     assert g["tokenizer"]["source"].startswith("gguf:")  # the base file's own vocabulary, copied
     v = g["verification"]  # measured: mean KL 5.8e-3, top-1 98.5% over 66 positions
     assert v["tokenizer_agrees"] and v["mean_kl"] < 0.02 and v["top1_agreement"] > 0.9
-    text = load_corpus("en")
-    out = {}
-    for spec in (str(sym.artifact), str(tmp_path / "m.gguf")):
-        sub = open_subject(spec, n_ctx=1024)
-        out[sub.runtime.name], _ = runtime_perplexity(sub.runtime, sub.encoder, text, seqlen=512, max_windows=2)
-        sub.close()
-    t, c = out["torch"], out["llama.cpp"]
+    t, c = _torch_and_llama_cpp_perplexity((sym.artifact, tmp_path / "m.gguf"), "en", 2)
     assert t.tokens == c.tokens
     assert abs(c.perplexity / t.perplexity - 1) < 0.05, (t.perplexity, c.perplexity)

@@ -349,6 +349,29 @@ def test_packed_scoring_across_contexts_equals_one_group_at_a_time(model_type, t
     assert max(packs) >= 2  # contexts were packed together (for Gemma: only those that fit its window)
 
 
+def test_a_cache_that_cannot_share_prefixes_falls_back_once_and_says_so(tiny_models, monkeypatch):
+    import warnings
+
+    from transformers import DynamicCache
+
+    from slmedge.runtimes import Runtime
+
+    def no_selection(self, indices):
+        raise NotImplementedError("no batch selection in this cache")
+
+    monkeypatch.setattr(DynamicCache, "batch_select_indices", no_selection)
+    sub = open_subject(tiny_models("llama"))
+    groups = [(list(range(5, 25)), [[30, 31, 32], [40]]), (list(range(60, 66)), [[70, 71], [72]])]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = sub.runtime.score_groups(groups) + [sub.runtime.continuation_scores(*groups[0])]
+    said = [w for w in caught if "shared-prefix scoring failed" in str(w.message)]
+    assert len(said) == 1 and "NotImplementedError" in str(said[0].message) and not sub.runtime.packing
+    for (ctx, conts), scores in zip(groups + groups[:1], got):
+        for (a, ga), (b, gb) in zip(scores, Runtime.continuation_scores(sub.runtime, ctx, conts)):
+            assert np.abs(a - b).max() < 1e-4 and ga == gb
+
+
 def test_token_scores_in_torch_and_in_numpy_agree():
     from slmedge.runtimes import _token_scores
 

@@ -120,6 +120,28 @@ def test_gemma3_writes_its_layer_types_and_norm_offset_and_refuses_what_llamacpp
         assert not (tmp_path / f"{key}.gguf").exists()
 
 
+def test_gemma3_query_scale_follows_llamacpp_which_takes_62_layers_for_the_27b():
+    # llama.cpp's gemma3 scales queries by 1/sqrt(head_dim), but a 62-layer model (its "27B") by
+    # 1/sqrt(hidden // heads): Gemma 3 27B's query_pre_attn_scalar 168 = 5376 // 32, head_dim 128.
+    from types import SimpleNamespace
+
+    class Writer:
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    def config(layers, scalar):
+        return SimpleNamespace(num_hidden_layers=layers, hidden_size=5376, num_attention_heads=32,
+                               query_pre_attn_scalar=scalar, layer_types=["full_attention"] * layers,
+                               attn_logit_softcapping=None, final_logit_softcapping=None, sliding_window=None)
+
+    gx._add_layer_types(Writer(), config(62, 168), head_dim=128)  # the 27B as it is
+    gx._add_layer_types(Writer(), config(34, 128), head_dim=128)  # any other depth: head_dim
+    with pytest.raises(GGUFExportError, match=r"hidden_size // heads \(its 27B rule\) 168"):
+        gx._add_layer_types(Writer(), config(62, 128), head_dim=128)
+    with pytest.raises(GGUFExportError, match="head_dim 128"):
+        gx._add_layer_types(Writer(), config(34, 168), head_dim=128)
+
+
 def test_unsupported_gguf_architecture_lists_the_supported_ones(tiny_models, tmp_path):
     with pytest.raises(UnsupportedArchitectureError, match="supported: llama, mistral, qwen2, qwen3, phi3, gemma3_text"):
         export_gguf(tiny_models("gemma2"), tmp_path / "m.gguf")

@@ -315,7 +315,7 @@ def _add_layer_types(writer, c, head_dim: int) -> None:
 
     llama.cpp's gemma3 reads the sliding layers from a per-layer flag array (its default is every
     sixth layer full), their rotary base from rope.freq_base_swa, and scales queries by
-    1/sqrt(head_dim) (the 27B by hidden/heads) with no attention soft-capping; a model that
+    1/sqrt(head_dim) (a 62-layer model, which it takes for the 27B, by hidden // heads) with no attention soft-capping; a model that
     differs on those is refused rather than written to compute something else."""
     types = list(_hparam(c, "layer_types", []) or [])
     if len(types) != int(c.num_hidden_layers) or not set(types) <= {"sliding_attention", "full_attention"}:
@@ -324,9 +324,13 @@ def _add_layer_types(writer, c, head_dim: int) -> None:
     if _hparam(c, "attn_logit_softcapping") is not None:
         raise GGUFExportError("attention logit soft-capping is not computed by llama.cpp's gemma3; cannot export")
     scalar = _hparam(c, "query_pre_attn_scalar", head_dim)
-    if int(c.num_hidden_layers) != 62 and float(scalar) != float(head_dim):
-        raise GGUFExportError(f"query_pre_attn_scalar {scalar} differs from head_dim {head_dim}: llama.cpp's gemma3 "
-                              "scales queries by 1/sqrt(head_dim); cannot export")
+    if int(c.num_hidden_layers) == 62:  # llama.cpp takes a 62-layer gemma3 for the 27B: hidden // heads
+        expected, which = int(c.hidden_size) // int(c.num_attention_heads), "hidden_size // heads (its 27B rule)"
+    else:
+        expected, which = head_dim, "head_dim"
+    if float(scalar) != float(expected):
+        raise GGUFExportError(f"query_pre_attn_scalar {scalar} differs from {which} {expected}: llama.cpp's gemma3 "
+                              f"scales queries by 1/sqrt({which}); cannot export")
     if _hparam(c, "final_logit_softcapping"):
         writer.add_final_logit_softcapping(float(c.final_logit_softcapping))
     sliding = [t == "sliding_attention" for t in types]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +152,9 @@ def torch_tanh_cap(logits, cap: float):
 class TorchRuntime(Runtime):
     name = "torch"
     torch_lse = True
+    # The shared-prefix path needs a KV cache that can repeat its rows; set False (with one warning)
+    # the first time it fails, after which every group runs as whole sequences.
+    packing = True
 
     def __init__(self, model, threads: int | None = None, device: str = "cpu"):
         import torch
@@ -176,18 +180,35 @@ class TorchRuntime(Runtime):
         # holds for sliding-window models).
         torch = self.torch
         ctx = list(context)
-        if len(ctx) > 1 and len(continuations) > 0:
+        if len(ctx) > 1 and len(continuations) > 0 and self.packing:
             try:
                 return self._packed_scores([(ctx, continuations)])[0]
-            except (AttributeError, NotImplementedError, TypeError):
-                pass  # caches without batch selection (e.g. some hybrid caches): the plain path
+            except (AttributeError, NotImplementedError, TypeError) as e:
+                self._stop_packing(e)
         ids, mask = _padded(ctx, continuations, 0)
         with torch.no_grad():
             logits = self.model(torch.from_numpy(ids).to(self.device),
                                 attention_mask=torch.from_numpy(mask).to(self.device), use_cache=False).logits
         logits = logits.float().cpu().numpy()
         n = len(ctx)
-        return [_token_scores(logits[i, n - 1 : n - 1 + len(c)], c, True) for i, c in enumerate(continuations)]
+        return [_token_scores(logits[i, n - 1 : n - 1 + len(c)], c, self.torch_lse)
+                for i, c in enumerate(continuations)]
+
+    def _stop_packing(self, error: Exception) -> None:
+        # Caches without batch selection (e.g. some hybrid caches) cannot share a prefix. Said
+        # once, not silently: a bug in the fast path also lands here, and the plain path is several
+        # times slower on a large vocabulary (every position goes through the head).
+        self.packing = False
+        warnings.warn(f"{type(self.model).__name__}: shared-prefix scoring failed ({type(error).__name__}: {error}); "
+                      "scoring whole sequences from here on (slower)", RuntimeWarning, stacklevel=3)
+
+    def _packed_or_alone(self, groups):
+        if self.packing:
+            try:
+                return self._packed_scores(groups)
+            except (AttributeError, NotImplementedError, TypeError) as e:
+                self._stop_packing(e)
+        return [self.continuation_scores(*g) for g in groups]
 
     # Tokens per packed forward pass: small models on a CPU run several times faster per token
     # at a few hundred rows than at one short sequence (measured on SmolLM2-135M, 2 threads).
@@ -226,13 +247,13 @@ class TorchRuntime(Runtime):
             w = max(len(c) for j in trial for c in groups[j][1])
             n = sum(len(groups[j][1]) for j in trial)
             if batch and (len(trial) * p + n * w > self.pack_tokens or (window is not None and p + w > window)):
-                for j, r in zip(batch, self._packed_scores([groups[j] for j in batch])):
+                for j, r in zip(batch, self._packed_or_alone([groups[j] for j in batch])):
                     out[j] = r
                 batch = [i]
             else:
                 batch = trial
         if batch:
-            for j, r in zip(batch, self._packed_scores([groups[j] for j in batch])):
+            for j, r in zip(batch, self._packed_or_alone([groups[j] for j in batch])):
                 out[j] = r
         return out
 
@@ -274,7 +295,7 @@ class TorchRuntime(Runtime):
         out: list[list] = [[] for _ in groups]
         at = 0
         for g, c in rows:
-            out[g].append(_token_scores(logits[at : at + len(c)], c, True))
+            out[g].append(_token_scores(logits[at : at + len(c)], c, self.torch_lse))
             at += len(c)
         return out
 
