@@ -315,8 +315,9 @@ def _add_layer_types(writer, c, head_dim: int) -> None:
 
     llama.cpp's gemma3 reads the sliding layers from a per-layer flag array (its default is every
     sixth layer full), their rotary base from rope.freq_base_swa, and scales queries by
-    1/sqrt(head_dim) (a 62-layer model, which it takes for the 27B, by hidden // heads) with no attention soft-capping; a model that
-    differs on those is refused rather than written to compute something else."""
+    1/sqrt(head_dim) (a 62-layer model, which it takes for the 27B, by hidden // heads) with no
+    attention soft-capping; a model that differs on those is refused rather than written to
+    compute something else."""
     types = list(_hparam(c, "layer_types", []) or [])
     if len(types) != int(c.num_hidden_layers) or not set(types) <= {"sliding_attention", "full_attention"}:
         raise GGUFExportError(f"config.layer_types ({types}) does not give 'sliding_attention' or 'full_attention' "

@@ -181,10 +181,7 @@ class TorchRuntime(Runtime):
         torch = self.torch
         ctx = list(context)
         if len(ctx) > 1 and len(continuations) > 0 and self.packing:
-            try:
-                return self._packed_scores([(ctx, continuations)])[0]
-            except (AttributeError, NotImplementedError, TypeError) as e:
-                self._stop_packing(e)
+            return self._packed_or_alone([(ctx, continuations)])[0]  # failing, it comes back here unpacked
         ids, mask = _padded(ctx, continuations, 0)
         with torch.no_grad():
             logits = self.model(torch.from_numpy(ids).to(self.device),
