@@ -65,6 +65,21 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what it wraps) says the disk is full: an OSError with ENOSPC, or a
+    library's own error around one (safetensors' writer raises ``SafetensorError: Error while
+    serializing: I/O error: No space left on device (os error 28)``, not an OSError)."""
+    for _ in range(8):  # the chain of causes, bounded
+        if exc is None:
+            return False
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        if "no space left on" in str(exc).lower():  # ours ("... on the device") and the C library's
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
     """Refuse, before any work, an output directory that holds something (unless overwrite)."""
     path = Path(path)
@@ -126,9 +141,9 @@ def atomic_directory(dest: str | os.PathLike, overwrite: bool = False) -> Iterat
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, dest)
-    except OSError as exc:
+    except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno == errno.ENOSPC:
+        if disk_full(exc):
             raise SlmedgeError(f"no space left on the device while writing {dest}; nothing was written") from exc
         raise
     except BaseException:

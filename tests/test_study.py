@@ -196,6 +196,81 @@ def test_a_killed_study_resumes_with_every_job_done_once(tmp_path, tiny_models):
                                (job_id, fin)).fetchone()[0] == 0
 
 
+def test_discarded_artifacts_are_rebuilt_only_when_a_job_needs_them(tmp_path, tiny_models):
+    methods = ['method = "none"', 'label = "rtn-w4"\nmethod = "rtn"\nbits = 4\ngroup_size = 32']
+    f = _study(tmp_path, tiny_models("llama"), name="lean", methods=methods, exports=('"none"',))
+    store = ResultsStore(tmp_path / "lean.sqlite")
+    counts = run_study(load_study(f), store, discard_artifacts=True)  # 1 compress, 2 evaluations
+    assert counts["ran"] == 3 and counts["discarded_bytes"] > 0
+    artifacts = tmp_path / "work-lean" / "artifacts"
+    assert not any(artifacts.iterdir())  # the compressed model went once both evaluations had it
+    before = _numbers(store, "lean")
+    again = run_study(load_study(f), store)  # nothing needs the artifact: it stays gone
+    assert again["ran"] == again["rebuilt"] == 0 and not any(artifacts.iterdir())
+    # A GGUF export joins the grid: the rtn export needs the discarded artifact, which is rebuilt.
+    f.write_text(f.read_text() + '\n[[exports]]\nformat = "gguf"\n')
+    res = runner.invoke(app, ["study", str(f), "--results-db", str(store.path), "--discard-artifacts"])
+    assert res.exit_code == 0, res.output
+    assert "3 job(s) run" not in res.output and "5 job(s) run, 1 of them rebuilt" in res.output, res.output
+    assert "artifacts no job needs any more discarded" in res.output
+    assert not any(artifacts.iterdir()) and not any((tmp_path / "work-lean" / "exports").iterdir())
+    after = _numbers(store, "lean")
+    assert len(after) == 4 and all(after[k] == before[k] for k in before)  # the first results were kept
+    with sqlite3.connect(store.path) as con:
+        assert con.execute("SELECT COUNT(*) FROM study_events WHERE event = 'rebuilding'").fetchone()[0] == 1
+    store.close()
+
+
+class _InlinePool:
+    """The local engine's interface, running each job in this process (so a test can patch it)."""
+
+    def __init__(self, workers):
+        pass
+
+    def submit(self, job, threads, data_dir, needs_gpu):
+        from concurrent.futures import Future
+
+        from slmedge.study.engine import run_job
+
+        fut = Future()
+        try:
+            fut.set_result(run_job(job, threads, data_dir))
+        except Exception as exc:  # noqa: BLE001
+            fut.set_exception(exc)
+        return fut
+
+    def wait_any(self, handles):
+        return list(handles)
+
+    result = staticmethod(lambda handle: handle.result())
+
+    def close(self):
+        pass
+
+
+def test_a_full_disk_stops_the_grid_with_one_clear_error(tmp_path, tiny_models, monkeypatch):
+    import safetensors
+
+    import slmedge.compress.artifact as artifact
+    import slmedge.study.engine as engine
+
+    def full_disk(*a, **k):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(engine, "_LocalPool", _InlinePool)
+    monkeypatch.setattr(artifact, "save_file", full_disk)
+    f = _study(tmp_path, tiny_models("llama"), name="full", exports=('"none"',))
+    store = ResultsStore(tmp_path / "full.sqlite")
+    with pytest.raises(engine.StudyRunError, match="no space left on the device .* 1 job.s. failed and 3 were not "
+                                                   "started; finished jobs are kept"):
+        run_study(load_study(f), store, workers=1)
+    with sqlite3.connect(store.path) as con:  # the base evaluation finished; nothing started after the failure
+        assert con.execute("SELECT kind, status FROM study_jobs WHERE status IS NOT NULL AND status != 'pending' "
+                           "ORDER BY kind").fetchall() == [("compress", "failed"), ("evaluate", "done")]
+    assert not list((tmp_path / "work-full" / "artifacts").glob("*/slmedge.json"))
+    store.close()
+
+
 # --- the report ------------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import SlmedgeError
+from ..fsutil import disk_full
 
 console = Console()
 err_console = Console(stderr=True)
@@ -52,6 +53,9 @@ def errors_to_exit() -> Iterator[None]:
     except Exception as exc:  # a bug: say so in one line, and how to see more
         if state.debug:
             raise
+        if disk_full(exc):  # a library's own error around ENOSPC (safetensors raises SafetensorError)
+            err_console.print("[bold red]error:[/] no space left on the device", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
         first = (str(exc).splitlines() or [""])[0][:300]
         err_console.print(f"[bold red]error:[/] unexpected {type(exc).__name__}: {first} (run with --debug for the traceback)",
                           highlight=False, soft_wrap=True)

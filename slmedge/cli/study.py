@@ -23,6 +23,9 @@ def study_command(
                                               help="SQLite results store (default: user data dir)."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help="Data folder."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and list the jobs; run nothing."),
+    discard_artifacts: bool = typer.Option(False, "--discard-artifacts", help="Delete each compressed model and "
+                                           "export once every job that needs it has finished (results stay in the "
+                                           "store; one a later job needs is rebuilt)."),
 ):
     """Run a study's grid: compress -> export -> evaluate, each job once, resumable.
 
@@ -54,7 +57,7 @@ def study_command(
             return
         store = ResultsStore(results_db)
         try:
-            done_before = len(StudyStore(store).finished(study.name))
+            done_before = len(StudyStore(store).finished(study.name).keys() & {j.id for j in jobs})
             if done_before:
                 console.print(f"resuming: {done_before} job(s) already finished")
 
@@ -64,11 +67,15 @@ def study_command(
                               highlight=False)
 
             counts = run_study(study, store, engine=engine, workers=workers, address=address, workdir=workdir,
-                               data_dir=str(data_dir) if data_dir else None, progress=progress)
+                               data_dir=str(data_dir) if data_dir else None, progress=progress,
+                               discard_artifacts=discard_artifacts)
         finally:
             store.close()
         per_min = counts["ran"] / (counts["seconds"] / 60) if counts["seconds"] > 0 else 0.0
-        console.print(f"study {study.name}: {counts['ran']} job(s) run, {counts['already_done']} already done, "
+        extra = f", {counts['rebuilt']} of them rebuilt (their output was gone)" if counts["rebuilt"] else ""
+        if counts["discarded_bytes"]:
+            extra += f", {counts['discarded_bytes'] / 1e9:.2f} GB of artifacts no job needs any more discarded"
+        console.print(f"study {study.name}: {counts['ran']} job(s) run{extra}, {counts['already_done']} already done, "
                       f"{counts['reused']} adopted from disk, in {counts['seconds']:.0f} s ({per_min:.1f} jobs/min); "
                       f"results in {store.path} — slmedge report --study {study.name} -o report.html")
 

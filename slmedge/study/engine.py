@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ..errors import SlmedgeError
+from ..fsutil import disk_full
 from .jobs import Job, build_jobs, study_workdir
 from .spec import Study
 
@@ -97,6 +98,46 @@ class _RowRecorder:
         self.calls.append({"args": list(args), "kwargs": kwargs})
 
 
+def _made(kind: str, spec: dict, out) -> bool:
+    """Whether a compress or export job's output is on disk, whole (its last file is written last)."""
+    out = Path(out)
+    if kind == "compress":
+        return (out / "slmedge.json").is_file()
+    return out.is_file() if spec["format"] == "gguf" else (out / "slmedge-export.json").is_file()
+
+
+def _missing_outputs(jobs: list[Job], done: dict[str, dict]) -> list[Job]:
+    """Finished compress/export jobs whose output is gone (deleted to free disk, or discarded by
+    ``discard_artifacts``) and that an unfinished job still needs: they must run again. Outputs
+    nothing needs any more may stay gone. ``jobs`` lists dependencies first, so one pass from the
+    end sees every job that needs a given one before that one."""
+    needed: set[str] = set()
+    rebuild = []
+    for j in reversed(jobs):
+        if j.id in done:
+            if j.kind == "evaluate" or j.id not in needed or _made(j.kind, j.spec, done[j.id]["output"] or j.output):
+                continue
+            rebuild.append(j)
+        needed.update(j.deps)
+    return rebuild[::-1]
+
+
+def _discard(path: str) -> int:
+    """Delete an artifact folder or export file; returns the bytes freed."""
+    import shutil
+
+    p = Path(path)
+    if p.is_dir():
+        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        shutil.rmtree(p, ignore_errors=True)
+        return size
+    if p.is_file():
+        size = p.stat().st_size
+        p.unlink()
+        return size
+    return 0
+
+
 def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) -> dict:
     """Do one job; returns what it made. Module-level, so process pools and Ray can call it."""
     import warnings
@@ -105,7 +146,7 @@ def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) 
     t0 = time.perf_counter()
     spec, out = job["spec"], Path(job["output"]) if job["output"] else None
     if job["kind"] == "compress":
-        if (out / "slmedge.json").is_file():  # finished before a kill, not yet recorded
+        if _made(job["kind"], spec, out):  # finished before a kill, not yet recorded
             return {"output": str(out), "reused": True, "seconds": 0.0}
         from ..compress.api import compress
         from ..compress.recipe import Recipe
@@ -118,8 +159,7 @@ def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) 
                  device="cpu", overwrite=True)
         return {"output": str(out), "seconds": time.perf_counter() - t0}
     if job["kind"] == "export":
-        done = out.is_file() if spec["format"] == "gguf" else (out / "slmedge-export.json").is_file()
-        if done:
+        if _made(job["kind"], spec, out):
             return {"output": str(out), "reused": True, "seconds": 0.0}
         from ..export.api import export
 
@@ -200,36 +240,58 @@ class _RayPool:
 
 
 def run_study(study: Study, store, engine: str = "local", workers: int | None = None, address: str | None = None,
-              workdir=None, data_dir: str | None = None, progress=None) -> dict:
-    """Run every job of ``study`` not yet finished in ``store``; returns counts."""
+              workdir=None, data_dir: str | None = None, progress=None, discard_artifacts: bool = False) -> dict:
+    """Run every job of ``study`` not yet finished in ``store``; returns counts.
+
+    ``discard_artifacts``: delete each compressed model and export once every job of the grid
+    that needs it has finished (results stay in the store; a job added later that needs one
+    rebuilds it), so a large grid needs the disk of the jobs in flight, not of the whole grid."""
+    if engine not in ("local", "ray"):
+        raise SlmedgeError(f"unknown engine '{engine}': local or ray")
     wd = study_workdir(study, workdir)
     wd.mkdir(parents=True, exist_ok=True)
     jobs = build_jobs(study, wd)
     ss = StudyStore(store)
     ss.register(study.name, jobs)
     done = ss.finished(study.name)
+    by_id = {j.id: j for j in jobs}
+    rebuild = _missing_outputs(jobs, done)
+    for j in rebuild:
+        ss.event(study.name, j.id, "rebuilding", f"its output {done[j.id]['output']} is gone and a job needs it")
+        del done[j.id]
+    remaining = [j for j in jobs if j.id not in done]
+    counts = {"jobs": len(jobs), "already_done": sum(1 for j in jobs if j.id in done), "ran": 0, "reused": 0,
+              "failed": 0, "blocked": 0, "rebuilt": len(rebuild), "discarded_bytes": 0}
+    dependents: dict[str, set[str]] = {}
+    for j in jobs:
+        for d in j.deps:
+            dependents.setdefault(d, set()).add(j.id)
+
+    def discard_if_unneeded(job_id: str) -> None:
+        if discard_artifacts and job_id in done and by_id[job_id].kind != "evaluate" \
+                and all(u in done for u in dependents.get(job_id, ())):
+            counts["discarded_bytes"] += _discard(done[job_id]["output"] or by_id[job_id].output)
+
+    for j in jobs:  # what earlier runs left that nothing needs any more
+        discard_if_unneeded(j.id)
     cores = os.cpu_count() or 1
     threads = study.evaluate.get("threads")
     if engine == "local":
         workers = workers or max(1, cores // (threads or cores))
         threads = threads or max(1, cores // workers)
         pool = _LocalPool(workers)
-    elif engine == "ray":
+    else:
         threads = threads or 1
         pool = _RayPool(address, threads)
         workers = workers or max(1, cores // threads)
-    else:
-        raise SlmedgeError(f"unknown engine '{engine}': local or ray")
-    by_id = {j.id: j for j in jobs}
-    remaining = [j for j in jobs if j.id not in done]
-    counts = {"jobs": len(jobs), "already_done": sum(1 for j in jobs if j.id in done), "ran": 0, "reused": 0, "failed": 0, "blocked": 0}
     failed: set[str] = set()
     running: dict = {}
+    disk_is_full = False  # then no job starts: each would fail the same way
     started = time.perf_counter()
     try:
         while remaining or running:
             for j in list(remaining):
-                if len(running) >= workers:
+                if len(running) >= workers or disk_is_full:
                     break
                 if any(d in failed for d in j.deps):
                     remaining.remove(j)
@@ -255,16 +317,23 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
                     ss.fail(study.name, j, f"{type(exc).__name__}: {exc}")
                     failed.add(j.id)
                     counts["failed"] += 1
+                    disk_is_full = disk_is_full or disk_full(exc)
                 else:
                     ss.finish(study.name, j, res)
                     done[j.id] = {"output": res.get("output")}
                     counts["reused" if res.get("reused") else "ran"] += 1
+                    for d in j.deps:
+                        discard_if_unneeded(d)
                 if progress:
                     progress(j, counts, len(remaining) + len(running))
     finally:
         pool.close()
     counts["seconds"] = time.perf_counter() - started
     counts["pending"] = len(remaining)
+    if disk_is_full:
+        raise StudyRunError(f"no space left on the device under {wd}: {counts['failed']} job(s) failed and "
+                            f"{counts['pending']} were not started; finished jobs are kept. Free some space (or run "
+                            "with --discard-artifacts) and run the study again")
     if counts["failed"]:
         errs = store.db.execute("SELECT job_id, detail FROM study_events WHERE study = ? AND event = 'failed' "
                                 "ORDER BY id DESC LIMIT 3", (study.name,)).fetchall()
