@@ -6,4 +6,13 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The emulated arm64 target (qemu + aarch64 Python, onnxruntime, llama.cpp), built once per machine.
 .venv/bin/slmedge targets setup arm64 --if-needed || echo "note: arm64 target not set up; its tests skip" >&2
+# The e2e tests write converted models and f32 exports under the temp dir: ~3.3 GB at the peak
+# (measured in CI; a passing test's files go when it ends). Say so before a full disk fails them.
+.venv/bin/python - <<'PY' >&2
+import shutil, tempfile
+tmp = tempfile.gettempdir()
+free = shutil.disk_usage(tmp).free / 1e9
+if free < 5:
+    print(f"note: only {free:.1f} GB free under {tmp}; the tests need about 3.5 GB there (set TMPDIR elsewhere)")
+PY
 exec .venv/bin/python -m pytest -q "$@"
