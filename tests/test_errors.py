@@ -3,6 +3,7 @@
 import os
 
 import pytest
+from conftest import safetensors_full_disk
 from typer.testing import CliRunner
 
 from slmedge.cli import app
@@ -115,15 +116,12 @@ def test_interrupted_run_leaves_nothing_that_looks_complete(tiny_models, calib_f
 
 @pytest.mark.parametrize("raised", ["oserror", "safetensors"])
 def test_a_full_disk_while_writing_leaves_no_artifact(tiny_models, tmp_path, monkeypatch, raised):
-    import safetensors
-
     import slmedge.compress.artifact as artifact
 
     def full_disk(*a, **k):
         if raised == "oserror":
             raise OSError(28, "No space left on device")
-        # what safetensors' Rust writer raises on a full disk (as seen in CI), not an OSError
-        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        safetensors_full_disk()
 
     monkeypatch.setattr(artifact, "save_file", full_disk)
     out = tmp_path / "out"
@@ -133,7 +131,6 @@ def test_a_full_disk_while_writing_leaves_no_artifact(tiny_models, tmp_path, mon
 
 
 def test_a_full_disk_inside_a_library_is_named_as_such(capsys):
-    import safetensors
     import typer
 
     from slmedge.cli.common import errors_to_exit
@@ -147,7 +144,7 @@ def test_a_full_disk_inside_a_library_is_named_as_such(capsys):
     assert exit_info.value.exit_code == 1
     with pytest.raises(typer.Exit):
         with errors_to_exit():
-            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+            safetensors_full_disk()
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["error: no space left on the device"] * 2, lines
 

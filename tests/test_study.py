@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import one_line_error
+from conftest import one_line_error, safetensors_full_disk
 from typer.testing import CliRunner
 
 from slmedge.cli import app
@@ -249,16 +249,11 @@ class _InlinePool:
 
 
 def test_a_full_disk_stops_the_grid_with_one_clear_error(tmp_path, tiny_models, monkeypatch):
-    import safetensors
-
     import slmedge.compress.artifact as artifact
     import slmedge.study.engine as engine
 
-    def full_disk(*a, **k):
-        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-
     monkeypatch.setattr(engine, "_LocalPool", _InlinePool)
-    monkeypatch.setattr(artifact, "save_file", full_disk)
+    monkeypatch.setattr(artifact, "save_file", safetensors_full_disk)
     f = _study(tmp_path, tiny_models("llama"), name="full", exports=('"none"',))
     store = ResultsStore(tmp_path / "full.sqlite")
     with pytest.raises(engine.StudyRunError, match="no space left on the device .* 1 job.s. failed and 3 were not "
