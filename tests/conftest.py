@@ -55,14 +55,6 @@ def calib_file(tmp_path_factory) -> Path:
     return calib_text(tmp_path_factory.mktemp("calib") / "calib.txt")
 
 
-def shared_data() -> Path | None:
-    root = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
-    return root if root.is_dir() else None
-
-
-needs_shared_data = pytest.mark.skipif(shared_data() is None, reason="../shared/data is not beside the checkout")
-
-
 def small_recipe(calib_file, **kw):
     from slmedge.compress.recipe import Recipe
 

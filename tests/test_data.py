@@ -4,7 +4,6 @@ import math
 import pytest
 import torch
 
-from conftest import needs_shared_data
 from slmedge.data.calibration import load_calibration
 from slmedge.errors import DataError
 from slmedge.evaluate.corpora import load_corpus
@@ -42,7 +41,6 @@ def test_bad_calibration_data(tok, tmp_path):
         load_calibration("no-such-set", tok, 2, 8, data=tmp_path)
 
 
-@needs_shared_data
 def test_shared_calibration_sets(tok):
     c4 = load_calibration("c4", tok, 4, 64, seed=0)
     assert c4.identity["files"] == {"calibration/c4_en.jsonl": c4.identity["files"]["calibration/c4_en.jsonl"]}
@@ -93,7 +91,6 @@ def test_corpus_shorter_than_one_window(tok):
         perplexity(tiny_model("llama"), tok, "too short", seqlen=512)
 
 
-@needs_shared_data
 def test_named_corpora():
     assert load_corpus("wikitext2").startswith(" = Robert Boulter = ") or len(load_corpus("wikitext2")) > 1_000_000
     assert len(load_corpus("de").splitlines()) == 1997

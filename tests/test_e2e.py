@@ -11,7 +11,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import needs_shared_data
 from slmedge.cli import app
 from slmedge.compress.api import compress
 from slmedge.compress.artifact import Artifact
@@ -21,7 +20,7 @@ from slmedge.evaluate.corpora import load_corpus
 from slmedge.evaluate.perplexity import perplexity
 from slmedge.models import source
 
-pytestmark = [pytest.mark.e2e, needs_shared_data]
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

@@ -6,17 +6,15 @@ tokenizer (models/gguf_tokenizer.py); these tests hold the import to llama.cpp o
 Slow: the conversion takes a few minutes on 2 cores, once per session.
 """
 
-import glob
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import needs_shared_data, shared_data
 from slmedge.errors import GGUFImportMismatchError
 from slmedge.models import source
 
-pytestmark = [pytest.mark.e2e, needs_shared_data]
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +48,10 @@ def test_gemma3_tokenizes_every_corpus_and_task_as_llama_cpp_does(gemma):
     from slmedge.runtimes.native import vocab_only
 
     lm, gguf = gemma
-    data = shared_data()
-    files = sorted(glob.glob(str(data / "perplexity" / "*" / "*.txt"))) + \
-        sorted(glob.glob(str(data / "tasks" / "**" / "*.jsonl"), recursive=True))
+    from slmedge.data.files import SHIPPED, shipped_files
+
+    # Every shipped corpus and task file, read through the package's index.
+    files = sorted(str(SHIPPED / rel) for rel in shipped_files() if rel.startswith(("perplexity/", "tasks/")))
     assert len(files) > 20
     with vocab_only(gguf) as llm:
         for f in files:

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from conftest import needs_shared_data, one_line_error
+from conftest import one_line_error
 from slmedge.cli import app
 from slmedge.errors import DataError, RuntimeNotInstalledError
 from slmedge.evaluate.api import EvalSettings, Evaluation
@@ -123,7 +123,6 @@ def test_encode_pair_moves_trailing_spaces_like_lm_eval(tiny_models):
     assert ctx == [enc.eos_id] and cont == enc.encode("hello")
 
 
-@needs_shared_data
 def test_real_task_files_in_both_schemas_load():
     assert len(load_task("winogrande", limit=5)) == 5
     arc = load_task("arc_easy", limit=3)
@@ -193,7 +192,6 @@ def test_results_go_to_store_and_json_and_survive_an_interrupt(tiny_models, tmp_
         ResultsStore(db)
 
 
-@needs_shared_data
 def test_cli_evaluate_writes_json(exports, tmp_path):
     out = tmp_path / "r.json"
     r = runner.invoke(app, ["evaluate", exports["onnxruntime"], "--metrics", "perplexity,memory,latency", "--langs",
@@ -211,7 +209,6 @@ def test_cli_evaluate_writes_json(exports, tmp_path):
 
 
 
-@needs_shared_data
 @pytest.mark.parametrize("args,words", [
     (["--langs", "xx"], ["unknown language 'xx'"]),
     (["--tasks", "arc_hard"], ["unknown task 'arc_hard'"]),
@@ -289,7 +286,6 @@ def test_lm_eval_scores_our_task_files_like_slmedge_through_both_model_classes(t
                 assert r["acc_norm,none"] == pytest.approx(ours[name]["acc_norm"]), (model, name)
 
 
-@needs_shared_data
 def test_task_groups_expand():
     s = EvalSettings(tasks=("english", "xcopa")).validate()
     assert len(s.task_list()) == 8 + 11 and s.task_list()[0] == "arc_easy" and s.task_list()[-1] == "xcopa_zh"
@@ -386,3 +382,40 @@ def test_token_scores_in_torch_and_in_numpy_agree():
     assert np.abs(in_torch - want).max() < 1e-9 and np.abs(in_numpy - want).max() < 1e-9
     assert greedy is greedy2 is False
     assert _token_scores(logits, logits.argmax(-1))[1] is True
+
+
+def test_task_flips_count_the_answers_of_the_metric_asked_for():
+    from slmedge.evaluate.fidelity import task_flips
+    from slmedge.evaluate.tasks import ItemScore
+
+    # Four items: acc's answer (pred) changes on item 0 only, acc_norm's (pred_norm) on items 1 and 2.
+    ref = [ItemScore([0.0, -1.0], 0, 0, 0), ItemScore([0.0, -1.0], 0, 0, 0), ItemScore([0.0, -1.0], 0, 1, 0),
+           ItemScore([0.0, -1.0], 1, 1, 1)]
+    cand = [ItemScore([-1.0, 0.0], 1, 0, 0), ItemScore([0.0, -1.0], 0, 1, 0), ItemScore([0.0, -1.0], 0, 0, 0),
+            ItemScore([0.0, -1.0], 1, 1, 1)]
+    assert task_flips(cand, ref) == 0.25
+    assert task_flips(cand, ref, norm=True) == 0.5
+
+
+def test_a_user_task_file_is_labelled_by_its_stem_with_flips_per_metric(tiny_models, tmp_path):
+    deep = tmp_path / "a-rather-long-folder-name" / "and-another-one"
+    deep.mkdir(parents=True)
+    f = deep / "belebele_mini.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"query": "The sky is", "choices": ["blue", "green grass", "a"], "gold": 0},
+        {"query": "Two and two make", "choices": ["four", "seven", "many fish"], "gold": 0}]), encoding="utf-8")
+    model = str(tiny_models("llama"))
+    r = runner.invoke(app, ["evaluate", model, "--metrics", "tasks,fidelity", "--tasks", str(f), "--reference", model,
+                            "--json", str(tmp_path / "r.json"), "--results-db", str(tmp_path / "db.sqlite"),
+                            "--no-wikitext", "--langs", "en", "--seqlen", "32"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    tasks = json.loads((tmp_path / "r.json").read_text())["metrics"]["tasks"]
+    assert list(tasks) == ["belebele_mini"]
+    assert tasks["belebele_mini"]["flips_vs_reference"] == 0 and tasks["belebele_mini"]["flips_norm_vs_reference"] == 0
+    assert "belebele_mini" in r.output and "a-rather-long" not in r.output and "0 of 2 (0.0%) / 0 of 2" in r.output
+    g = tmp_path / "other" / "belebele_mini.jsonl"
+    g.parent.mkdir()
+    g.write_text(f.read_text())
+    r = runner.invoke(app, ["evaluate", model, "--metrics", "tasks", "--tasks", f"{f},{g}",
+                            "--results-db", str(tmp_path / "db.sqlite")])
+    one_line_error(r, "both be shown as 'belebele_mini'")

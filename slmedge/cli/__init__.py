@@ -6,6 +6,7 @@ import typer
 
 from .common import state
 from .compress import compress_command
+from .data import data_app
 from .evaluate import evaluate_command, lm_eval_command
 from .export import export_command, inspect_command
 from .methods import methods_command
@@ -37,6 +38,7 @@ app.command("inspect")(inspect_command)
 app.command("run")(run_command)
 app.command("methods")(methods_command)
 app.add_typer(targets_app, name="targets")
+app.add_typer(data_app, name="data")
 app.command("study")(study_command)
 app.command("report")(report_command)
 

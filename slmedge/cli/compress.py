@@ -13,6 +13,7 @@ from ..compress.api import compress
 from ..compress.methods import METHODS
 from ..compress.recipe import DEFAULT_SKIP, Recipe
 from .common import console, errors_to_exit, progress_bar
+from .data import DATA_DIR_HELP
 
 
 def recipe_from_options(method, bits, group_size, symmetric, sparsity, calibration, nsamples, seqlen, seed, batch_size,
@@ -79,7 +80,7 @@ def compress_command(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory (default: slmedge-out/<model>-<recipe>)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output directory."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
-    data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help="Folder with calibration/, perplexity/, tasks/ (default ../shared/data)."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help=DATA_DIR_HELP),
     text_field: str = typer.Option("text", "--text-field", help="JSONL / dataset field holding the text."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit)."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run code shipped with a Hub model (off unless you ask)."),

@@ -9,12 +9,18 @@ import typer
 from rich.table import Table
 
 from .common import console, errors_to_exit, progress_bar
+from .data import DATA_DIR_HELP
 
 
 def _split(value: Optional[str]) -> Optional[tuple[str, ...]]:
     if value is None:
         return None
     return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def flips_text(r: dict, key: str) -> str:
+    """A flip share as the count it is: '3 of 40 (7.5%)'."""
+    return f"{round(r[key] * r['n'])} of {r['n']} ({r[key]:.1%})"
 
 
 def _mb(n) -> str:
@@ -43,10 +49,11 @@ def print_results(res: dict) -> None:
         t.add_row("tokens", str(f["tokens"]) + (" (reference from cache)" if f["reference_cached"] else ""))
         console.print(t)
     if "tasks" in m:
-        t = Table("task", "n", "acc", "acc_norm", "flips vs ref", title="zero-shot tasks")
+        t = Table("task", "n", "acc", "acc_norm", "answers flipped vs ref (acc / acc_norm)", title="zero-shot tasks")
         for name, r in m["tasks"].items():
             norm = f"{r['acc_norm']:.4f} ± {r['acc_norm_stderr']:.4f}" if "acc_norm" in r else "-"
-            flips = f"{r['flips_vs_reference']:.2%}" if "flips_vs_reference" in r else "-"
+            flips = " / ".join(flips_text(r, key) for key in ("flips_vs_reference", "flips_norm_vs_reference")
+                               if key in r) or "-"
             t.add_row(name, str(r["n"]), f"{r['acc']:.4f} ± {r['acc_stderr']:.4f}", norm, flips)
         console.print(t)
     if "memory" in m:
@@ -108,7 +115,7 @@ def evaluate_command(
     target: str = typer.Option("cpu", "--target", help="Target profile (slmedge targets list): cpu, arm64 (emulated), cuda, an ssh device, or a .toml file."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every number to this JSON file."),
     results_db: Optional[Path] = typer.Option(None, "--results-db", envvar="SLMEDGE_RESULTS_DB", help="SQLite results store (default: user data dir)."),
-    data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help="Data folder (default ../shared/data)."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help=DATA_DIR_HELP),
 ):
     """Measure a model in its runtime: perplexity, fidelity, zero-shot tasks, memory, latency.
 

@@ -20,6 +20,8 @@ from ..compress.artifact import Artifact
 from ..compress.recipe import Recipe
 from ..errors import ArtifactError
 from .common import console, errors_to_exit, progress_bar
+from .data import DATA_DIR_HELP
+from .evaluate import flips_text
 
 MAIN_TASKS = ("arc_easy", "piqa", "winogrande", "hellaswag", "xcopa_th", "xcopa_zh")
 
@@ -36,7 +38,7 @@ def run_command(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Recompress even if a matching artifact exists."),
     results_db: Optional[Path] = typer.Option(None, "--results-db", envvar="SLMEDGE_RESULTS_DB", help="SQLite results store."),
-    data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help="Data folder (default ../shared/data)."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help=DATA_DIR_HELP),
 ):
     """The main job: compress, export to GGUF, evaluate base and compressed side by side.
 
@@ -118,9 +120,10 @@ def _print_side_by_side(rows, recipe) -> None:
     bt, ct = base["metrics"]["tasks"], comp["metrics"]["tasks"]
     for name in bt:
         key = "acc_norm" if "acc_norm" in bt[name] else "acc"
-        flips = ct[name].get("flips_vs_reference")
-        t.add_row(f"{name} {key} (n={bt[name]['n']})", f"{bt[name][key]:.3f}",
-                  f"{ct[name][key]:.3f}" + (f" ({flips:.0%} flipped)" if flips is not None else ""))
+        # The flips counted on the metric shown: items whose acc_norm answer changed.
+        flipped = "flips_norm_vs_reference" if key == "acc_norm" else "flips_vs_reference"
+        extra = f" ({flips_text(ct[name], flipped)} answers flipped)" if flipped in ct[name] else ""
+        t.add_row(f"{name} {key} (n={bt[name]['n']})", f"{bt[name][key]:.3f}", f"{ct[name][key]:.3f}" + extra)
     f = comp["metrics"].get("fidelity")
     if f:
         t.add_row("mean KL vs base / top-1 agreement", "-", f"{f['kl_mean']:.4f} / {f['top1_agreement']:.1%}")

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from .common import console, errors_to_exit
+from .data import DATA_DIR_HELP
 
 
 def study_command(
@@ -21,7 +22,7 @@ def study_command(
                                            "(default: the study's workdir, else the user cache)."),
     results_db: Optional[Path] = typer.Option(None, "--results-db", envvar="SLMEDGE_RESULTS_DB",
                                               help="SQLite results store (default: user data dir)."),
-    data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help="Data folder."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help=DATA_DIR_HELP),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and list the jobs; run nothing."),
     discard_artifacts: bool = typer.Option(False, "--discard-artifacts", help="Delete each compressed model and "
                                            "export once every job that needs it has finished (results stay in the "

@@ -1,1 +1,2 @@
-"""Calibration sets and evaluation corpora: local files, ../shared/data, the Hugging Face Hub."""
+"""Calibration sets, perplexity corpora and task files: shipped with the package (``files``), a
+user's folder laid over them, local files, the Hugging Face Hub."""

@@ -1,8 +1,8 @@
 """Calibration data: named sets from the data folder, local files, Hub datasets.
 
 A spec is one of:
-- ``c4``: the C4 (en) sample in ``<data>/calibration/c4_en.jsonl``;
-- ``multilingual`` or ``multilingual:de,fr``: the sentences in ``<data>/calibration/multilingual``;
+- ``c4``: the C4 (en) sample ``calibration/c4_en.jsonl`` (shipped; a ``--data-dir`` may replace it);
+- ``multilingual`` or ``multilingual:de,fr``: the sentences in ``calibration/multilingual``;
 - a ``.jsonl`` file (a ``text`` field per line) or any other text file;
 - ``hf:DATASET[:CONFIG][:SPLIT]``: a Hugging Face dataset with a ``text`` column (needs
   ``pip install datasets`` and a network).
@@ -23,7 +23,7 @@ import torch
 
 from ..errors import DataError, RuntimeNotInstalledError
 from ..fsutil import iter_jsonl, sha256_file
-from ..paths import data_dir
+from .files import data_files, file_sha256
 
 
 @dataclass
@@ -40,27 +40,27 @@ def read_texts(spec: str, data: str | Path | None = None, text_field: str = "tex
     if path.is_file():
         return _file_texts(path, text_field), {"files": {str(path.resolve()): sha256_file(path)}}
     name, _, arg = spec.partition(":")
-    root = data_dir(data)
-    if name == "c4" and not arg:
-        files = [root / "calibration" / "c4_en.jsonl"]
-    elif name == "multilingual":
-        folder = root / "calibration" / "multilingual"
-        available = sorted(p.stem for p in folder.glob("*.txt"))
+    if not (name == "c4" and not arg) and name != "multilingual":
+        raise DataError(
+            f"calibration data '{spec}' not found: give c4, multilingual[:LANGS], a .txt/.jsonl file, or hf:DATASET"
+        )
+    files = data_files(data)
+    if name == "c4":
+        rels = ["calibration/c4_en.jsonl"]
+    else:
+        available = files.names("calibration/multilingual", ".txt")
         langs = [lang.strip() for lang in arg.split(",") if lang.strip()] if arg else available
         unknown = [lang for lang in langs if lang not in available]
         if unknown:
             raise DataError(f"no multilingual calibration text for {', '.join(unknown)}; available: {', '.join(available)}")
-        files = [folder / f"{lang}.txt" for lang in langs]
-    else:
-        raise DataError(
-            f"calibration data '{spec}' not found: give c4, multilingual[:LANGS], a .txt/.jsonl file, or hf:DATASET"
-        )
+        rels = [f"calibration/multilingual/{lang}.txt" for lang in langs]
     texts: list[str] = []
-    for f in files:
-        if not f.is_file():
-            raise DataError(f"calibration file {f} is missing from the data folder")
+    hashes = {}
+    for rel in rels:
+        f = files.path(rel)
         texts.extend(_file_texts(f, text_field))
-    return texts, {"files": {str(f.relative_to(root)): sha256_file(f) for f in files}}
+        hashes[rel] = file_sha256(f)
+    return texts, {"files": hashes}
 
 
 def _file_texts(path: Path, text_field: str) -> list[str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, DataError
 from ..fsutil import write_json_atomic
+from ..data.files import data_files
 from .corpora import load_corpus, ntrex_languages
 
 METRICS = ("perplexity", "fidelity", "tasks", "memory", "latency")
@@ -49,16 +50,21 @@ class EvalSettings:
             raise ConfigError(f"stride must be in 1..{self.seqlen} (the window length), got {self.stride}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be positive, got {self.limit}")
+        data_files(self.data_dir)  # a --data-dir that is not a data folder fails here, before any work
         if "perplexity" in self.metrics or "tasks" in self.metrics:
             known = set(ntrex_languages(self.data_dir)) if self.langs else set()
             bad = [lang for lang in self.langs if lang not in known]
             if bad:
                 raise DataError(f"unknown language '{bad[0]}': NTREX-128 here has {', '.join(sorted(known))}")
         if self.tasks:
-            from .tasks import task_file
+            from .tasks import task_file, task_label
 
+            seen: dict[str, str] = {}
             for t in self.task_list():
                 task_file(t, self.data_dir)
+                if seen.setdefault(task_label(t), t) != t:
+                    raise ConfigError(f"tasks {seen[task_label(t)]} and {t} would both be shown as "
+                                      f"'{task_label(t)}': rename one of the files")
         return self
 
     def task_list(self) -> list[str]:
@@ -217,23 +223,29 @@ class Evaluation:
 
     def _tasks(self):
         from .fidelity import task_flips
-        from .tasks import run_task
+        from .tasks import run_task, task_label
 
         out = self.results["metrics"].setdefault("tasks", {})
         ref = self._reference() if "fidelity" in self.settings.metrics else None
         max_len = self.settings.context
-        for name in self.settings.task_list():
-            summary, scores = run_task(self.sub.runtime, self.sub.encoder, name, self.settings.data_dir,
+        for task in self.settings.task_list():
+            name = task_label(task)
+            summary, scores = run_task(self.sub.runtime, self.sub.encoder, task, self.settings.data_dir,
                                        self.settings.limit, max_len, self.progress)
             if ref is not None:
-                ref_scores = self._reference_task_scores(ref, name, max_len)
+                ref_scores = self._reference_task_scores(ref, task, max_len)
                 summary["flips_vs_reference"] = task_flips(scores, ref_scores)
+                if "acc_norm" in summary:
+                    summary["flips_norm_vs_reference"] = task_flips(scores, ref_scores, norm=True)
             out[name] = summary
             self._row("acc", summary["acc"], name, summary["acc_stderr"], "ratio", {"n": summary["n"]})
             if "acc_norm" in summary:
                 self._row("acc_norm", summary["acc_norm"], name, summary["acc_norm_stderr"], "ratio", {"n": summary["n"]})
             if "flips_vs_reference" in summary:
                 self._row("task_flips", summary["flips_vs_reference"], name, None, "ratio", {"reference": ref.label})
+            if "flips_norm_vs_reference" in summary:
+                self._row("task_flips_norm", summary["flips_norm_vs_reference"], name, None, "ratio",
+                          {"reference": ref.label})
             self._save()
 
     def _reference_task_scores(self, ref, name, max_len):

@@ -117,11 +117,13 @@ def fidelity(candidate, reference, text: str, seqlen: int = 512, max_windows: in
     return out
 
 
-def task_flips(candidate_scores, reference_scores) -> float:
-    """Share of task items whose predicted answer differs between the model and the reference."""
+def task_flips(candidate_scores, reference_scores, norm: bool = False) -> float:
+    """Share of task items whose predicted answer differs between the model and the reference:
+    the answers ``acc`` counts, or with ``norm`` those ``acc_norm`` counts."""
     if not candidate_scores:
         return 0.0
-    flips = sum(a.pred != b.pred for a, b in zip(candidate_scores, reference_scores))
+    attr = "pred_norm" if norm else "pred"
+    flips = sum(getattr(a, attr) != getattr(b, attr) for a, b in zip(candidate_scores, reference_scores))
     return flips / len(candidate_scores)
 
 

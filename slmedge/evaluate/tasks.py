@@ -1,6 +1,6 @@
 """Zero-shot log-likelihood tasks with lm-evaluation-harness's semantics, on any runtime.
 
-Two schemas (the LLM Foundry in-context-learning formats of ``../shared/data/tasks``):
+Two schemas (the LLM Foundry in-context-learning formats of the shipped task files):
 
 - multiple_choice ``{"query", "choices", "gold"}``: each choice is scored as the continuation of
   the query, joined by one space. ``acc`` = argmax of the summed log-likelihood; ``acc_norm`` =
@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..fsutil import iter_jsonl
-from ..paths import data_dir
+from ..data.files import data_files
 
 ENGLISH_TASKS = ("arc_easy", "arc_challenge", "boolq", "hellaswag", "openbookqa", "piqa", "winogrande", "copa")
 XCOPA_LANGS = ("et", "ht", "id", "it", "qu", "sw", "ta", "th", "tr", "vi", "zh")
@@ -41,20 +41,31 @@ class Request:
 
 
 def task_names(data=None) -> list[str]:
-    return list(ENGLISH_TASKS) + [f"xcopa_{lang}" for lang in XCOPA_LANGS]
+    """The shipped tasks, then any other task file a ``--data-dir`` adds (``tasks/NAME.jsonl``)."""
+    shipped = list(ENGLISH_TASKS) + [f"xcopa_{lang}" for lang in XCOPA_LANGS]
+    files = data_files(data)
+    extra = [n for n in files.names("tasks", ".jsonl") if n not in shipped]
+    extra += [f"xcopa_{n}" for n in files.names("tasks/xcopa", ".jsonl") if f"xcopa_{n}" not in shipped]
+    return shipped + extra
+
+
+def task_label(name: str) -> str:
+    """How a task is shown: a named task by its name, a user's file by its stem."""
+    return Path(name).stem if name.endswith(".jsonl") else name
 
 
 def task_file(name: str, data=None) -> Path:
     path = Path(name).expanduser()
     if path.suffix == ".jsonl" and path.is_file():
         return path
-    root = data_dir(data) / "tasks"
-    if name.startswith("xcopa_"):
-        f = root / "xcopa" / f"{name.split('_', 1)[1]}.jsonl"
+    if not name or "/" in name or name.startswith("."):
+        f = None
+    elif name.startswith("xcopa_"):
+        f = data_files(data).find(f"tasks/xcopa/{name.split('_', 1)[1]}.jsonl")
     else:
-        f = root / f"{name}.jsonl"
-    if not f.is_file():
-        raise DataError(f"unknown task '{name}'; choose from {', '.join(task_names())} or give a .jsonl file")
+        f = data_files(data).find(f"tasks/{name}.jsonl")
+    if f is None:
+        raise DataError(f"unknown task '{name}'; choose from {', '.join(task_names(data))} or give a .jsonl file")
     return f
 
 

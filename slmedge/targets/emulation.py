@@ -12,7 +12,7 @@ exported file. Timings from here are emulated and never reported as device laten
 4. llama.cpp's shared libraries cross-compiled (``aarch64-linux-gnu-g++``, armv8.2-a with dot
    product and fp16, no OpenMP) from the sources of the llama-cpp-python release installed here,
    behind a copy of its Python binding, so the same binding code runs on both sides;
-5. the pitfalls of ``../shared/NOTES.md`` handled: a fake ARM ``/proc/cpuinfo`` in the sysroot
+5. the pitfalls seen on qemu handled: a fake ARM ``/proc/cpuinfo`` in the sysroot
    (onnxruntime reads it at import), a named CPU (``-cpu max`` gave wrong int8 results on qemu
    7.2), the standard library precompiled, threads never above the cores.
 """
