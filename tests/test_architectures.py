@@ -57,3 +57,18 @@ def test_awq_folding_leaves_the_unquantized_model_unchanged(model_type):
         after = model(ids).logits
     assert folded >= 2 * len(model.get_submodule(arch.layers))
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", sorted(k for k, a in ARCHITECTURES.items() if a.gguf is not None))
+def test_gguf_layout_names_exist_in_gguf_and_in_the_model(model_type):
+    import gguf
+
+    model = tiny_model(model_type)
+    arch = architecture_for(model.config)
+    layer = model.get_submodule(arch.layers)[0]
+    for linear, heads in arch.gguf.permute:
+        assert isinstance(layer.get_submodule(linear), torch.nn.Linear)
+        assert getattr(model.config, heads) > 0
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf.arch], model.config.num_hidden_layers)
+    unnamed = [n for n in model.state_dict() if tmap.get_name(n, try_suffixes=(".weight", ".bias")) is None]
+    assert not unnamed, f"weights without a GGUF tensor name in {arch.gguf.arch}: {unnamed}"

@@ -16,7 +16,12 @@ from slmedge.compress.artifact import Artifact
 from slmedge.errors import OutputExistsError, UnsupportedArchitectureError
 from slmedge.export import GGUFExportError, GGUFVerificationError
 from slmedge.export import gguf as gx
-from slmedge.export.gguf import export_gguf, permute_rows, pre_tokenizer_name, unpermute_rows
+from slmedge.export import gguf_hparams as gh
+from slmedge.export import gguf_quant as gq
+from slmedge.export import gguf_vocab as gv
+from slmedge.export.gguf import export_gguf
+from slmedge.export.gguf_quant import permute_rows, unpermute_rows
+from slmedge.export.gguf_vocab import pre_tokenizer_name
 
 # (model type, method, recipe overrides, GGUF type the codes must land in)
 CASES = [
@@ -134,12 +139,12 @@ def test_gemma3_query_scale_follows_llamacpp_which_takes_62_layers_for_the_27b()
                                query_pre_attn_scalar=scalar, layer_types=["full_attention"] * layers,
                                attn_logit_softcapping=None, final_logit_softcapping=None, sliding_window=None)
 
-    gx._add_layer_types(Writer(), config(62, 168), head_dim=128)  # the 27B as it is
-    gx._add_layer_types(Writer(), config(34, 128), head_dim=128)  # any other depth: head_dim
+    gh.add_layer_types(Writer(), config(62, 168), head_dim=128)  # the 27B as it is
+    gh.add_layer_types(Writer(), config(34, 128), head_dim=128)  # any other depth: head_dim
     with pytest.raises(GGUFExportError, match=r"hidden_size // heads \(its 27B rule\) 168"):
-        gx._add_layer_types(Writer(), config(62, 128), head_dim=128)
+        gh.add_layer_types(Writer(), config(62, 128), head_dim=128)
     with pytest.raises(GGUFExportError, match="head_dim 128"):
-        gx._add_layer_types(Writer(), config(34, 168), head_dim=128)
+        gh.add_layer_types(Writer(), config(34, 168), head_dim=128)
 
 
 def test_unsupported_gguf_architecture_lists_the_supported_ones(tiny_models, tmp_path):
@@ -219,7 +224,7 @@ def test_blocks_follow_llamacpp_layout():
     codes = np.arange(32, dtype=np.uint8)[None] % 16
     scales = np.array([[0.5]], dtype=np.float16)
     zeros = np.array([[8]], dtype=np.uint8)
-    blocks = gx.codes_to_blocks(codes, scales, zeros, QuantSpec(4, 32, True), gx.QTYPES["q4_0"])
+    blocks = gq.codes_to_blocks(codes, scales, zeros, QuantSpec(4, 32, True), gq.QTYPES["q4_0"])
     assert blocks.shape == (1, 18)
     assert blocks[0, 2] == (codes[0, 0] | (codes[0, 16] << 4))
     decoded = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_0)
@@ -230,7 +235,7 @@ def test_blocks_follow_llamacpp_layout():
     codes = rng.integers(0, 256, (3, 96)).astype(np.uint8)
     scales = rng.uniform(-0.1, 0.1, (3, 2)).astype(np.float16)
     zeros = np.full((3, 2), 128, dtype=np.uint8)
-    blocks = gx.codes_to_blocks(codes, scales, zeros, spec, gx.QTYPES["q8_0"])
+    blocks = gq.codes_to_blocks(codes, scales, zeros, spec, gq.QTYPES["q8_0"])
     s = np.repeat(scales.astype(np.float32), 64, axis=1)[:, :96]
     assert np.array_equal(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0),
                           s * (codes.astype(np.float32) - 128))
@@ -287,7 +292,7 @@ def test_pre_tokenizer_names():
     smollm = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
                                                    {"type": "ByteLevel", "use_regex": True}]}
     assert pre_tokenizer_name({"pre_tokenizer": smollm}) == ("smollm", True)
-    qwen = {"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": gx._QWEN2_REGEX}},
+    qwen = {"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": gv._QWEN2_REGEX}},
                                                  {"type": "ByteLevel", "use_regex": False}]}
     assert pre_tokenizer_name({"pre_tokenizer": qwen}) == ("qwen2", True)
     assert pre_tokenizer_name({"pre_tokenizer": {"type": "Whitespace"}}) == ("default", False)
@@ -411,7 +416,7 @@ def test_known_pre_tokenizers_tokenize_like_transformers_in_llamacpp(pre, tmp_pa
                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
     pt = {"gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False),
-          "qwen2": lambda: split(gx._QWEN2_REGEX), "llama-bpe": lambda: split(gx._LLAMA3_REGEX),
+          "qwen2": lambda: split(gv._QWEN2_REGEX), "llama-bpe": lambda: split(gv._LLAMA3_REGEX),
           "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                      pre_tokenizers.ByteLevel(add_prefix_space=False)])}[pre]()
     src = tmp_path / "m"
@@ -423,9 +428,9 @@ def test_known_pre_tokenizers_tokenize_like_transformers_in_llamacpp(pre, tmp_pa
     assert report["verification"]["tokenizer_agrees"]
     # Every other known name tokenizes the probe differently: the check above can tell them apart.
     wrong = next(name for name in ("gpt-2", "qwen2", "smollm") if name != pre)
-    for key, name in list(gx.PRE_TOKENIZERS.items()):
+    for key, name in list(gv.PRE_TOKENIZERS.items()):
         if name == pre:
-            monkeypatch.setitem(gx.PRE_TOKENIZERS, key, wrong)
+            monkeypatch.setitem(gv.PRE_TOKENIZERS, key, wrong)
     with pytest.raises(GGUFVerificationError, match="tokenizes"):
         export_gguf(src, tmp_path / "wrong.gguf", qtype="f32", probe=probe)
     assert not (tmp_path / "wrong.gguf").exists()

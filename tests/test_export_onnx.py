@@ -17,7 +17,7 @@ from slmedge.compress.quant import QuantSpec
 from slmedge.errors import ArtifactError, SlmedgeError, UnsupportedArchitectureError
 from slmedge.export import onnx as ox
 from slmedge.export.onnx import ONNXExportError, ONNXVerificationError, export_onnx
-from slmedge.runtimes.ort import OnnxModelError, OrtDecoder
+from slmedge.backends.ort import OnnxModelError, OrtDecoder
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import TINY_TYPES, tiny_tokenizer  # noqa: E402

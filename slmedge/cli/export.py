@@ -23,24 +23,14 @@ def _fmt_bytes(n: int | None) -> str:
     return str(n)
 
 
-def _print_export(report: dict, fmt: str) -> None:
-    table = Table(title=f"slmedge export: {fmt} {report.get('qtype') or report.get('type')}", show_header=False)
+def _print_export(report: dict, fmt) -> None:
+    """The report of an export in ``fmt`` (an ExportFormat, which adds its own rows)."""
+    table = Table(title=f"slmedge export: {fmt.name} {report.get('qtype') or report.get('type')}", show_header=False)
     table.add_row("output", str(report["path"]))
     table.add_row("source", f"{report['source']} ({report['source_kind']})")
     table.add_row("size", _fmt_bytes(report.get("bytes")))
-    if fmt == "gguf":
-        types: dict[str, int] = {}
-        for t in report["tensors"].values():
-            types[t["type"]] = types.get(t["type"], 0) + 1
-        table.add_row("tensors by type", ", ".join(f"{k} x{v}" for k, v in sorted(types.items())))
-        table.add_row("codes kept exactly", f"{report['codes_kept']} tensors; {report['requantized_by_llamacpp']} "
-                      "written by llama.cpp's quantizer")
-        table.add_row("tokenizer", f"{report['tokenizer']['model']} / pre {report['tokenizer'].get('pre')}")
-    else:
-        table.add_row("ops", ", ".join(f"{k} x{v}" for k, v in report["ops"].items()
-                                        if k in ("MatMul", "MatMulNBits", "MatMulInteger", "Gather", "Cast")))
-        table.add_row("codes kept exactly", f"{report['codes_kept']} linears; "
-                      f"{report['requantized_by_onnxruntime']} by onnxruntime's quantizer")
+    for label, value in fmt.report_rows(report):
+        table.add_row(label, value)
     v = report.get("verification")
     if v:
         line = (f"top-1 {v['top1_agreement']:.1%}, mean KL {v['mean_kl']:.2e}, max |Δlogit| "
@@ -82,6 +72,7 @@ def export_command(
       slmedge export out/gptq --format gguf --type q4_1 --exact -o m.gguf
     """
     from ..export.api import export
+    from ..export.formats import get_format
 
     with errors_to_exit():
         with warnings.catch_warnings(record=True) as caught:
@@ -95,7 +86,7 @@ def export_command(
         if as_json:
             console.print_json(json.dumps(report, default=str))
         else:
-            _print_export(report, fmt.lower())
+            _print_export(report, get_format(fmt))
 
 
 def inspect_command(
@@ -110,6 +101,7 @@ def inspect_command(
       slmedge inspect model.gguf
       slmedge inspect onnx_dir/ --json
     """
+    from ..export.formats import FORMATS
     from ..export.inspect import inspect_path
 
     with errors_to_exit():
@@ -127,15 +119,8 @@ def inspect_command(
             return
         table.add_row("size", _fmt_bytes(info["file_bytes"]) + (" (with external data)" if info.get("external_data") else ""))
         table.add_row("weights", f"{info['params']:,} parameters, {info['bits_per_weight']} bits per weight")
-        if info["format"] == "gguf":
-            tok = info["tokenizer"]
-            table.add_row("tokenizer", f"{tok['model']} / pre {tok['pre']}, {tok['vocab']} tokens"
-                          + (", chat template" if tok["chat_template"] else ""))
-            hp = info["hparams"]
-            table.add_row("hparams", ", ".join(f"{k}={v}" for k, v in hp.items() if not isinstance(v, list))[:300])
-        else:
-            table.add_row("KV cache", f"yes, {info['layers']} layers" if info["kv_cache"] else "no")
-            table.add_row("ops", ", ".join(f"{k} x{v}" for k, v in info["ops"].items()))
+        for label, value in FORMATS[info["format"]].inspect_rows(info):
+            table.add_row(label, value)
         m = info.get("manifest")
         if m:
             ts = m.get("tensors") or m.get("layers") or {}

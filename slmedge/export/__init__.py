@@ -1,25 +1,16 @@
-"""Exporters: the artifact directory (or a plain HF folder) to the files edge runtimes load."""
+"""Exporters: the artifact directory (or a plain HF folder) to the files edge runtimes load.
 
-from ..errors import SlmedgeError
+Each format registers itself where its writer is defined (``formats.register_format``);
+importing this package registers the built-in ones: GGUF (llama.cpp) and ONNX (onnxruntime).
+"""
 
+from . import gguf, onnx  # noqa: F401  (registration)
+from .errors import (ExportError, ExportVerificationError, GGUFExportError, GGUFVerificationError, ONNXExportError,
+                     ONNXVerificationError)
+from .formats import FORMATS, ExportFormat, get_format, register_format, unregister_format
+from .gguf import export_gguf
+from .onnx import export_onnx
 
-class ExportError(SlmedgeError):
-    """An export cannot be written as asked (unsupported type, architecture or tokenizer)."""
-
-
-class GGUFExportError(ExportError):
-    """A GGUF export cannot be written as asked (or the codes cannot be kept with exact=True)."""
-
-
-class GGUFVerificationError(GGUFExportError):
-    """The written GGUF disagrees with the model it was written from (llama.cpp vs torch logits,
-    or llama.cpp tokenizes differently); nothing is left at the output path."""
-
-
-def export_gguf(*args, **kwargs):
-    from .gguf import export_gguf as _export
-
-    return _export(*args, **kwargs)
-
-
-__all__ = ["ExportError", "GGUFExportError", "GGUFVerificationError", "export_gguf"]
+__all__ = ["FORMATS", "ExportError", "ExportFormat", "ExportVerificationError", "GGUFExportError",
+           "GGUFVerificationError", "ONNXExportError", "ONNXVerificationError", "export_gguf", "export_onnx",
+           "get_format", "register_format", "unregister_format"]

@@ -1,13 +1,12 @@
-"""`slmedge export`: any model source to a GGUF file or an ONNX directory."""
+"""`slmedge export`: any model source to a GGUF file, an ONNX directory or any registered format."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from ..errors import ConfigError, ModelNotFoundError
-
-FORMATS = ("gguf", "onnx")
+from ..errors import ModelNotFoundError
+from .formats import FORMATS, get_format  # noqa: F401 - FORMATS: the registered formats by name
 
 
 def source_folder(spec: str | None, revision: str | None = None) -> Path:
@@ -35,27 +34,18 @@ def source_folder(spec: str | None, revision: str | None = None) -> Path:
 
 def default_output(folder: Path, fmt: str, qtype: str) -> Path:
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", folder.resolve().name).strip("-") or "model"
-    return Path("slmedge-out") / (f"{name}-{qtype}.gguf" if fmt == "gguf" else f"{name}-onnx-{qtype}")
+    return Path("slmedge-out") / get_format(fmt).default_output(name, qtype)
 
 
 def export(spec: str | None, fmt: str, qtype: str = "auto", output=None, *, exact: bool = False, verify: bool = True,
            overwrite: bool = False, n_threads: int | None = None, block_size: int = 32, accuracy_level: int = 4,
            keep_fp32_head: bool = False, keep_f16_uncoded: bool = False, revision: str | None = None) -> dict:
-    fmt = fmt.lower()
-    if fmt not in FORMATS:
-        raise ConfigError(f"unknown format '{fmt}'; choose {' or '.join(FORMATS)}")
+    """Write ``spec`` in the registered format ``fmt``; returns the writer's report."""
+    target = get_format(fmt)
     folder = source_folder(spec, revision)
-    out = Path(output) if output is not None else default_output(folder, fmt, qtype)
-    if fmt == "gguf":
-        from .gguf import export_gguf
-
-        if out.suffix.lower() != ".gguf" and not out.exists():
-            raise ConfigError(f"a GGUF export is one file: give an output path ending in .gguf, not {out}")
-        return export_gguf(folder, out, qtype, exact=exact, verify=verify, overwrite=overwrite, n_threads=n_threads,
-                           keep_f16_uncoded=keep_f16_uncoded)
-    from .onnx import export_onnx
-
-    if out.suffix.lower() == ".onnx":
-        raise ConfigError(f"an ONNX export is a directory (model, config, tokenizer): give a folder, not {out}")
-    return export_onnx(folder, out, qtype, exact=exact, verify=verify, overwrite=overwrite, n_threads=n_threads,
-                       block_size=block_size, accuracy_level=accuracy_level, keep_fp32_head=keep_fp32_head)
+    out = Path(output) if output is not None else default_output(folder, target.name, qtype)
+    target.check_output(out)
+    options = target.writer_options({"block_size": block_size, "accuracy_level": accuracy_level,
+                                     "keep_fp32_head": keep_fp32_head, "keep_f16_uncoded": keep_f16_uncoded})
+    return target.write(folder, out, qtype, exact=exact, verify=verify, overwrite=overwrite, n_threads=n_threads,
+                        **options)

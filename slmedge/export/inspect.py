@@ -8,6 +8,13 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SlmedgeError
+from ..models.artifact_format import is_artifact
+from .formats import FORMATS
+
+# Where each export keeps its manifest (what it was written from, per tensor its type and whether
+# its codes were kept): a GGUF in this metadata key, an ONNX export in this file of its folder.
+MANIFEST_KEY = "slmedge.manifest"
+EXPORT_MANIFEST = "slmedge-export.json"
 
 
 class InspectError(SlmedgeError):
@@ -15,23 +22,53 @@ class InspectError(SlmedgeError):
 
 
 def inspect_path(path) -> dict:
+    """What ``path`` holds, by the first that fits: a file with a format's suffix, a folder one
+    recognizes, an artifact, a file starting with a format's magic bytes."""
     p = Path(path)
     if not p.exists():
         raise InspectError(f"{p} does not exist")
-    if p.is_file() and p.suffix.lower() == ".gguf":
-        return inspect_gguf(p)
-    if p.is_file() and p.suffix.lower() == ".onnx":
-        return inspect_onnx(p)
+    formats = [f for f in FORMATS.values() if f.inspect is not None]
+    for fmt in formats:
+        if p.is_file() and fmt.suffix and p.suffix.lower() == fmt.suffix:
+            return fmt.inspect(p)
     if p.is_dir():
-        if (p / "model.onnx").is_file() or list(p.glob("*.onnx")):
-            return inspect_onnx(p)
-        if (p / "slmedge.json").is_file():
+        for fmt in formats:
+            if fmt.recognizes is not None and fmt.recognizes(p):
+                return fmt.inspect(p)
+        if is_artifact(p):
             return inspect_artifact(p)
     with open(p, "rb") as f:
-        magic = f.read(4) if p.is_file() else b""
-    if magic == b"GGUF":
-        return inspect_gguf(p)
+        magic = f.read(max((len(fmt.magic) for fmt in formats), default=0)) if p.is_file() else b""
+    for fmt in formats:
+        if fmt.magic and magic.startswith(fmt.magic):
+            return fmt.inspect(p)
     raise InspectError(f"{p} is not a .gguf file, an .onnx file/export directory or an slmedge artifact")
+
+
+# --- manifests: the one reader of each ----------------------------------------------------------
+
+
+def read_gguf_manifest(path, metadata: dict | None = None) -> dict | None:
+    """The manifest a GGUF export carries (None: the file has none; ValueError: unreadable).
+    ``metadata``: the file's key/value metadata when already read (gguf's reader or llama.cpp's)."""
+    if metadata is None:
+        import gguf
+
+        field = gguf.GGUFReader(str(path)).fields.get(MANIFEST_KEY)
+        metadata = {MANIFEST_KEY: field.contents()} if field is not None else {}
+    return json.loads(metadata[MANIFEST_KEY]) if MANIFEST_KEY in metadata else None
+
+
+def read_onnx_manifest(path) -> dict | None:
+    """The manifest of an ONNX export (its folder, or the model file in it); None: it has none."""
+    p = Path(path)
+    folder = p if p.is_dir() else p.parent
+    f = folder / EXPORT_MANIFEST
+    return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
+
+
+def is_onnx_folder(path: Path) -> bool:
+    return path.is_dir() and ((path / "model.onnx").is_file() or bool(list(path.glob("*.onnx"))))
 
 
 def _by_type(rows) -> dict:
@@ -63,12 +100,11 @@ def inspect_gguf(path: Path) -> dict:
         except Exception:  # noqa: BLE001
             continue
     arch = fields.get("general.architecture")
-    manifest = None
-    if "slmedge.manifest" in fields:
-        try:
-            manifest = json.loads(fields.pop("slmedge.manifest"))
-        except ValueError:
-            manifest = {"error": "unreadable"}
+    try:
+        manifest = read_gguf_manifest(path, fields)
+    except ValueError:
+        manifest = {"error": "unreadable"}
+    fields.pop(MANIFEST_KEY, None)
     rows = [(t.tensor_type.name, int(np.prod(t.shape)), int(t.n_bytes)) for t in reader.tensors]
     params = sum(r[1] for r in rows)
     nbytes = sum(r[2] for r in rows)
@@ -123,7 +159,7 @@ def _init_bytes(t) -> int:
 def inspect_onnx(path: Path) -> dict:
     import onnx
 
-    from ..runtimes.ort import model_file
+    from ..backends.ort import model_file
 
     f = model_file(path)
     try:
@@ -140,9 +176,8 @@ def inspect_onnx(path: Path) -> dict:
     nbytes = sum(r[2] for r in rows)
     folder = f.parent
     files = [p for p in folder.iterdir() if p.is_file() and p.name.startswith(f.name)]
-    manifest = None
-    if (folder / "slmedge-export.json").is_file():
-        manifest = json.loads((folder / "slmedge-export.json").read_text(encoding="utf-8"))
+    manifest = read_onnx_manifest(folder)
+    if manifest is not None:
         manifest.pop("files", None)
     config = {}
     if (folder / "config.json").is_file():
@@ -158,6 +193,21 @@ def inspect_onnx(path: Path) -> dict:
         "by_type": _by_type(rows), "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12]),
         "config": config, "manifest": manifest,
     }
+
+
+def gguf_rows(info: dict) -> list[tuple[str, str]]:
+    """`slmedge inspect`'s rows for a GGUF file."""
+    tok = info["tokenizer"]
+    hp = info["hparams"]
+    return [("tokenizer", f"{tok['model']} / pre {tok['pre']}, {tok['vocab']} tokens"
+             + (", chat template" if tok["chat_template"] else "")),
+            ("hparams", ", ".join(f"{k}={v}" for k, v in hp.items() if not isinstance(v, list))[:300])]
+
+
+def onnx_rows(info: dict) -> list[tuple[str, str]]:
+    """`slmedge inspect`'s rows for an ONNX export."""
+    return [("KV cache", f"yes, {info['layers']} layers" if info["kv_cache"] else "no"),
+            ("ops", ", ".join(f"{k} x{v}" for k, v in info["ops"].items()))]
 
 
 def inspect_artifact(path: Path) -> dict:

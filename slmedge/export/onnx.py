@@ -35,11 +35,13 @@ import numpy as np
 from ..compress.quant import QuantSpec, pack_codes
 from ..errors import UnsupportedArchitectureError
 from ..fsutil import atomic_directory, check_output_dir, sha256_file, write_json_atomic
-from ..models.source import tokenizer_kwargs
-from . import ExportError
+from ..models.artifact_format import manifest_path
+from .errors import ONNXExportError, ONNXVerificationError  # noqa: F401 - re-exported
+from .formats import get_format, register_format
+from .inspect import EXPORT_MANIFEST, inspect_onnx, is_onnx_folder, onnx_rows, read_onnx_manifest
 from .source import iter_weights, open_export_source
+from .verify import check_logits, compare_logits, probe_text, source_tokenizer, torch_logits
 
-EXPORT_MANIFEST = "slmedge-export.json"
 ONNX_TYPES = ("fp32", "fp16", "int4", "int8", "int8-dynamic")
 LARGE = 2 * 1024**3 - 64 * 1024**2  # protobuf's 2 GB limit, with room for the graph itself
 
@@ -52,14 +54,6 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "kept": {"mean_kl": 0.02, "top1": 0.85},
     "requantized": {"mean_kl": 0.5, "top1": 0.3},
 }
-
-
-class ONNXExportError(ExportError):
-    """An ONNX export cannot be written as asked."""
-
-
-class ONNXVerificationError(ONNXExportError):
-    """onnxruntime's logits of the written file disagree with torch's of its source."""
 
 
 # --- architectures ----------------------------------------------------------------------------
@@ -334,33 +328,18 @@ def _optimum_export(src_path: Path, out: Path, fp16: bool) -> None:
 def verify_against_torch(onnx_dir: Path, src_path: Path, tolerance: dict, probe: str | None = None,
                          n_threads: int | None = None, quantized_activations: bool = False) -> dict:
     """onnxruntime's logits of the file against torch's of the source weights; then the KV cache path."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from ..backends.ort import OrtDecoder
 
-    from ..models.gguf_check import PROBE, compare_logits
-    from ..runtimes.ort import OrtDecoder
-
-    tok = AutoTokenizer.from_pretrained(str(src_path), **tokenizer_kwargs(src_path))
-    ids = tok(PROBE if probe is None else probe, add_special_tokens=True)["input_ids"]
-    model = AutoModelForCausalLM.from_pretrained(str(src_path), dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0].float().numpy()
-    del model
+    ids = source_tokenizer(src_path)(probe_text(probe), add_special_tokens=True)["input_ids"]
+    ref = torch_logits(src_path, ids)
     dec = OrtDecoder(onnx_dir, n_threads=n_threads)
     got = dec.logits(ids)
-    stats = compare_logits(ref, got)
     # The same file fed incrementally through its KV cache must give the same logits.
     split = max(1, len(ids) // 2)
     inc = dec.incremental_logits(ids, split)
-    stats["kv_cache_max_abs_diff"] = float(np.abs(inc - got).max())
-    stats["tolerance"] = dict(tolerance)
-    bad = stats["mean_kl"] > tolerance["mean_kl"] or stats["top1_agreement"] < tolerance["top1"]
-    if bad:
-        raise ONNXVerificationError(
-            f"onnxruntime's logits of the ONNX export disagree with torch's of {src_path.name} (mean KL "
-            f"{stats['mean_kl']:.2e} > {tolerance['mean_kl']:g} or top-1 agreement {stats['top1_agreement']:.0%} < "
-            f"{tolerance['top1']:.0%}); nothing was written")
+    stats = check_logits(ref, got, tolerance,
+                         f"onnxruntime's logits of the ONNX export disagree with torch's of {src_path.name}",
+                         ONNXVerificationError, kv_cache_max_abs_diff=float(np.abs(inc - got).max()))
     inc_stats = compare_logits(got, inc)
     # Quantized activations (int8-dynamic, MatMulNBits accuracy_level 4) take their ranges per call,
     # so a prefill and single steps differ a little; otherwise the two paths agree to float error.
@@ -372,6 +351,20 @@ def verify_against_torch(onnx_dir: Path, src_path: Path, tolerance: dict, probe:
     return stats
 
 
+def _report_rows(report: dict) -> list[tuple[str, str]]:
+    """`slmedge export`'s rows for an ONNX report."""
+    return [("ops", ", ".join(f"{k} x{v}" for k, v in report["ops"].items()
+                              if k in ("MatMul", "MatMulNBits", "MatMulInteger", "Gather", "Cast"))),
+            ("codes kept exactly", f"{report['codes_kept']} linears; "
+             f"{report['requantized_by_onnxruntime']} by onnxruntime's quantizer")]
+
+
+@register_format("onnx", label="ONNX", noun="an ONNX export", single_file=False, suffix=".onnx",
+                 folder_holds="model, config, tokenizer", default_stem="{model}-onnx-{type}",
+                 complete=lambda out: (Path(out) / EXPORT_MANIFEST).is_file(), read_manifest=read_onnx_manifest,
+                 types=ONNX_TYPES, tolerances=TOLERANCES, options=("block_size", "accuracy_level", "keep_fp32_head"),
+                 error=ONNXExportError, report_rows=_report_rows, inspect=inspect_onnx, inspect_rows=onnx_rows,
+                 recognizes=is_onnx_folder)
 def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verify: bool = True, *,
                 overwrite: bool = False, probe: str | None = None, n_threads: int | None = None,
                 block_size: int = 32, accuracy_level: int = 4, keep_fp32_head: bool = False) -> dict:
@@ -386,9 +379,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
     import onnx
 
     started = time.perf_counter()
-    key = str(otype).lower()
-    if key not in ONNX_TYPES and key != "auto":
-        raise ONNXExportError(f"unknown ONNX type '{otype}'; choose auto, {', '.join(ONNX_TYPES)}")
+    key = get_format("onnx").check_type(otype)
     if block_size < 16 or block_size & (block_size - 1):
         raise ONNXExportError(f"block size must be a power of two >= 16, got {block_size}")
     check_output_dir(out_dir, overwrite)  # before any work
@@ -480,7 +471,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
             "format": "slmedge-onnx-export",
             "source": str(src.path),
             "source_kind": "artifact" if src.artifact is not None else "hf_dir",
-            "source_manifest_sha256": sha256_file(src.path / "slmedge.json") if src.artifact is not None else None,
+            "source_manifest_sha256": sha256_file(manifest_path(src.path)) if src.artifact is not None else None,
             "model_type": src.model_type,
             "type": key,
             "exact": bool(has_codes and kept and kept == len(report_layers) and key in ("int4", "int8")),

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..compress.artifact import MANIFEST, QUANT_FILE, Artifact
-from . import ExportError
+from .errors import ExportError
 
 
 @dataclass

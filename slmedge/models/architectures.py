@@ -2,7 +2,8 @@
 
 Algorithms never ask "is this a Gemma?": they read the entry of the model's ``model_type``.
 One default describes the Llama family (SmolLM2, Llama 3.x, Mistral, Qwen2/2.5, Qwen3); the
-other entries are small overrides of it.
+other entries are small overrides of it. ``gguf`` says how llama.cpp expects the architecture in
+a GGUF file (None: the GGUF writer refuses it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,33 @@ class AWQMapping:
     # Whether ``inspect`` treats tokens independently (an MLP, a linear): then the search
     # loss can use any subset of tokens; attention needs whole sequences.
     tokenwise: bool = True
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """How an architecture is written as GGUF: llama.cpp's architecture (its tensor names come from
+    the ``gguf`` package's map for it) and what llama.cpp's loader of it expects."""
+
+    arch: str  # gguf.MODEL_ARCH member name
+    # (linear, config attribute holding its head count): rows permuted for llama.cpp's
+    # interleaved rotary (convert_hf_to_gguf.py LlamaModel.permute).
+    permute: tuple[tuple[str, str], ...] = ()
+    # Write {arch}.rope.dimension_count (llama.cpp's llama arch reads it).
+    rope_dimension_count: bool = False
+    # HF rope_scaling types the writer translates (others are refused).
+    rope_scaling: tuple[str, ...] = ("default",)
+    # llama.cpp requires an output tensor even when HF ties it to the embedding (Phi-3).
+    output_required: bool = False
+    # Write {arch}.attention.sliding_window from config.sliding_window.
+    sliding_window: bool = False
+    # Sliding-window layers as config.layer_types says, one flag per layer, and the rotary base
+    # of those layers (config.rope_local_base_freq) — Gemma 3.
+    layer_types: bool = False
+    # Write attention.key_length/value_length even when head_dim is hidden // heads (Qwen3).
+    key_length: bool = False
+
+
+_LLAMA_PERMUTE = (("self_attn.q_proj", "num_attention_heads"), ("self_attn.k_proj", "num_key_value_heads"))
 
 
 @dataclass(frozen=True)
@@ -58,8 +86,11 @@ class Architecture:
     # output error, which says little there, so it leaves them alone (as llm-awq does).
     awq_skip_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
     # Gemma's RMSNorm multiplies by (1 + weight): folding a scale s into it means
-    # (1 + w') = (1 + w) / s.
+    # (1 + w') = (1 + w) / s; the GGUF writer adds it to every ``*norm.weight`` (llama.cpp's
+    # RMSNorm multiplies by the weight).
     norm_offset: float = 0.0
+    # The GGUF layout (None: not written as GGUF).
+    gguf: GGUFLayout | None = GGUFLayout("LLAMA", _LLAMA_PERMUTE, True, ("default", "linear", "llama3"))
     # Families users know the architecture by (for messages and docs).
     examples: tuple[str, ...] = field(default_factory=tuple)
 
@@ -81,9 +112,11 @@ _GEMMA_AWQ = (
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": _LLAMA,
-    "mistral": replace(_LLAMA, model_type="mistral", examples=("Mistral 7B",)),
-    "qwen2": replace(_LLAMA, model_type="qwen2", examples=("Qwen2", "Qwen2.5")),
-    "qwen3": replace(_LLAMA, model_type="qwen3", examples=("Qwen3",)),
+    "mistral": replace(_LLAMA, model_type="mistral", examples=("Mistral 7B",),
+                       gguf=replace(_LLAMA.gguf, rope_scaling=("default", "linear"))),
+    # Qwen2/Qwen3 use NEOX rotary in llama.cpp: no q/k permutation.
+    "qwen2": replace(_LLAMA, model_type="qwen2", examples=("Qwen2", "Qwen2.5"), gguf=GGUFLayout("QWEN2")),
+    "qwen3": replace(_LLAMA, model_type="qwen3", examples=("Qwen3",), gguf=GGUFLayout("QWEN3", key_length=True)),
     "phi3": replace(
         _LLAMA,
         model_type="phi3",
@@ -95,10 +128,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         awq_skip_clip=("self_attn.qkv_proj",),
         examples=("Phi-3", "Phi-3.5"),
+        # Fused qkv_proj/gate_up_proj are llama.cpp's attn_qkv/ffn_up as they are; NEOX rotary.
+        gguf=GGUFLayout("PHI3", rope_dimension_count=True, output_required=True, sliding_window=True),
     ),
-    "gemma2": replace(_LLAMA, model_type="gemma2", awq=_GEMMA_AWQ, norm_offset=1.0, examples=("Gemma 2",)),
+    "gemma2": replace(_LLAMA, model_type="gemma2", awq=_GEMMA_AWQ, norm_offset=1.0, examples=("Gemma 2",), gguf=None),
     "gemma3_text": replace(
-        _LLAMA, model_type="gemma3_text", awq=_GEMMA_AWQ, norm_offset=1.0, examples=("Gemma 3 (text)",)
+        _LLAMA, model_type="gemma3_text", awq=_GEMMA_AWQ, norm_offset=1.0, examples=("Gemma 3 (text)",),
+        # NEOX rotary; embeddings scaled by sqrt(hidden) inside llama.cpp as in transformers.
+        gguf=GGUFLayout("GEMMA3", rope_scaling=("default", "linear"), sliding_window=True, layer_types=True),
     ),
 }
 

@@ -103,7 +103,9 @@ def _made(kind: str, spec: dict, out) -> bool:
     out = Path(out)
     if kind == "compress":
         return (out / "slmedge.json").is_file()
-    return out.is_file() if spec["format"] == "gguf" else (out / "slmedge-export.json").is_file()
+    from ..export.formats import get_format
+
+    return get_format(spec["format"]).complete(out)
 
 
 def _missing_outputs(jobs: list[Job], done: dict[str, dict]) -> list[Job]:

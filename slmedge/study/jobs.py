@@ -42,6 +42,8 @@ def study_workdir(study: Study, override=None) -> Path:
 
 def build_jobs(study: Study, workdir: Path) -> list[Job]:
     """Every job of the grid, dependencies first, each once."""
+    from ..export.formats import get_format
+
     jobs: dict[str, Job] = {}
 
     def add(job: Job) -> Job:
@@ -71,7 +73,7 @@ def build_jobs(study: Study, workdir: Path) -> list[Job]:
                         spec = {"kind": "export", "source": source_dep[0] if source_dep else model,
                                 "format": exp.format, "type": exp.type}
                         eid = _id(spec)
-                        out = workdir / "exports" / (f"{eid}.gguf" if exp.format == "gguf" else eid)
+                        out = workdir / "exports" / get_format(exp.format).output_name(eid)
                         ex = add(Job(eid, "export", spec, labels, list(source_dep), str(out)))
                         subject, deps = ex.output, [ex.id]
                     for target in study.targets:

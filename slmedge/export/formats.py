@@ -1,0 +1,116 @@
+"""The export formats, registered by name where their writers are defined.
+
+``@register_format("gguf", ...)`` on a writer function records what the rest of slmedge asks
+about a format, so nothing else compares format names:
+
+- the writer, ``write(source_folder, out, qtype, *, exact, verify, overwrite, n_threads, **options)``,
+  which returns a report (at least ``path``, ``source``, ``source_kind``, ``bytes``,
+  ``verification``, ``notes``, ``seconds``), and which of ``export()``'s options it takes;
+- what an output is: one file ending in ``suffix``, or a folder (whose name must not end in it);
+  its default name; when one on disk is complete;
+- the one reader of the manifest an export carries: a dict (``format``, ``source``,
+  ``source_kind``, ``source_manifest_sha256`` in every format), or None when it has none;
+- the types it accepts besides ``auto``, its verification tolerances and the error it raises;
+- how ``slmedge export`` and ``slmedge inspect`` show its report and its files.
+
+Importing ``slmedge.export`` registers the built-in formats (GGUF, ONNX).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+from ..errors import ConfigError
+from .errors import ExportError
+
+
+def _no_rows(info: dict) -> list[tuple[str, str]]:
+    return []
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    name: str
+    write: Callable[..., dict]
+    label: str  # how messages name it ("GGUF")
+    single_file: bool  # one file ending in ``suffix``; else a folder
+    suffix: str  # that file's suffix; a folder format: its model file's, refused as the folder's name
+    complete: Callable[[Path], bool]  # an output on disk is whole (its last file is written last)
+    read_manifest: Callable[..., dict | None]  # (path) -> the export's manifest, None when it has none
+    types: tuple[str, ...]  # what the writer accepts besides "auto"
+    tolerances: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # kind -> mean_kl, top1
+    options: tuple[str, ...] = ()  # export()'s format-specific keyword arguments the writer takes
+    error: type = ExportError  # what the writer raises when it cannot write as asked
+    noun: str = ""  # how messages name one export (default "a <label> export")
+    folder_holds: str = ""  # a folder format: what is in it (for the message refusing a file name)
+    default_stem: str = "{model}-{type}"  # the default output's name, before a file format's suffix
+    report_rows: Callable[[dict], list[tuple[str, str]]] = _no_rows  # `slmedge export`'s table rows
+    inspect: Callable[[Path], dict] | None = None  # `slmedge inspect` of a file or folder in this format
+    inspect_rows: Callable[[dict], list[tuple[str, str]]] = _no_rows  # its table rows
+    recognizes: Callable[[Path], bool] | None = None  # a folder in this format, by a look inside
+    magic: bytes = b""  # a file in this format by its first bytes, whatever its name
+
+    @property
+    def what(self) -> str:
+        return self.noun or f"a {self.label} export"
+
+    def check_type(self, qtype) -> str:
+        """``qtype`` lower-cased, or the format's error naming the choices."""
+        key = str(qtype).lower()
+        if key != "auto" and key not in self.types:
+            raise self.error(f"unknown {self.label} type '{qtype}'; choose auto, {', '.join(self.types)}")
+        return key
+
+    def output_name(self, stem: str) -> str:
+        """The name of an output called ``stem``: a file format adds its suffix."""
+        return stem + self.suffix if self.single_file else stem
+
+    def default_output(self, model: str, qtype: str) -> str:
+        return self.output_name(self.default_stem.format(model=model, type=qtype))
+
+    def check_output(self, out: Path) -> None:
+        """Refuse an output path of the wrong kind (a file format's name without its suffix, unless it
+        exists; a folder format's name with its model file's suffix)."""
+        if self.single_file:
+            if out.suffix.lower() != self.suffix and not out.exists():
+                raise ConfigError(f"{self.what} is one file: give an output path ending in {self.suffix}, not {out}")
+        elif self.suffix and out.suffix.lower() == self.suffix:
+            holds = f" ({self.folder_holds})" if self.folder_holds else ""
+            raise ConfigError(f"{self.what} is a directory{holds}: give a folder, not {out}")
+
+    def writer_options(self, options: dict) -> dict:
+        """The options of ``export()`` this format's writer takes."""
+        return {k: options[k] for k in self.options if k in options}
+
+
+FORMATS: dict[str, ExportFormat] = {}
+
+
+def register_format(name: str, **facts) -> Callable[[Callable[..., dict]], Callable[..., dict]]:
+    """Decorator: register a writer function as the export format ``name`` (a duplicate name is refused)."""
+
+    def wrap(write: Callable[..., dict]) -> Callable[..., dict]:
+        if name in FORMATS:
+            raise ValueError(f"export format '{name}' registered twice")
+        FORMATS[name] = ExportFormat(name=name, write=write, **facts)
+        return write
+
+    return wrap
+
+
+def unregister_format(name: str) -> None:
+    """Remove a registration (for formats registered by tests or plug-ins)."""
+    FORMATS.pop(name, None)
+
+
+def format_names() -> list[str]:
+    return list(FORMATS)
+
+
+def get_format(name: str) -> ExportFormat:
+    key = str(name).lower()
+    if key not in FORMATS:
+        raise ConfigError(f"unknown format '{key}'; choose {' or '.join(FORMATS)}")
+    return FORMATS[key]

@@ -1,0 +1,151 @@
+"""GGUF tensor types: the artifact's integer codes as GGUF blocks, and llama.cpp's quantizer for the rest.
+
+GGUF blocks hold 32 consecutive values along the input dimension. Where the artifact's grid
+fits a block type (every 32-block inside one group), the codes are placed as they are, so the
+GPTQ/AWQ calibration reaches llama.cpp unchanged (DESIGN.md "numeric contracts"):
+
+- Q4_0 ``x = d*(n-8)``: symmetric codes of up to 4 bits, ``n = q - zero + 8``, ``d = scale``;
+- Q4_1 ``x = d*n + m``: any codes of up to 4 bits, ``n = q``, ``d = scale``, ``m = -scale*zero``
+  (m rounded to fp16: the only value that is not carried exactly);
+- Q8_0 ``x = d*n``: symmetric codes of up to 8 bits, ``n = q - zero`` as int8.
+
+Scales are already fp16 in the artifact, so Q4_0/Q8_0 blocks decode to exactly the artifact's
+weights. Any other combination is re-quantized by llama.cpp's own quantizer
+(``llama_model_quantize``) from the artifact's dequantized weights.
+
+Llama-family models need the q/k rows permuted for llama.cpp's rotary layout (pairs (i, i+d/2)
+of the HF "rotate_half" layout become adjacent); codes, scales and zero points are permuted
+together: rows are output features.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..compress.quant import QuantSpec
+from .errors import GGUFExportError
+
+BLOCK = 32  # values per block along the input dimension, for every type written here
+
+
+@dataclass(frozen=True)
+class QType:
+    name: str
+    ggml: str  # gguf.GGMLQuantizationType member name
+    ftype: str  # gguf.LlamaFileType member name
+    max_bits: int = 0  # codes of up to this many bits fit (0: not a code-holding type)
+    needs_symmetric: bool = False
+
+
+QTYPES: dict[str, QType] = {
+    "f32": QType("f32", "F32", "ALL_F32"),
+    "f16": QType("f16", "F16", "MOSTLY_F16"),
+    "q8_0": QType("q8_0", "Q8_0", "MOSTLY_Q8_0", 8, True),
+    "q4_0": QType("q4_0", "Q4_0", "MOSTLY_Q4_0", 4, True),
+    "q4_1": QType("q4_1", "Q4_1", "MOSTLY_Q4_1", 4, False),
+    # Written only by llama.cpp's quantizer (no artifact grid maps onto them).
+    "q5_0": QType("q5_0", "Q5_0", "MOSTLY_Q5_0"),
+    "q5_1": QType("q5_1", "Q5_1", "MOSTLY_Q5_1"),
+    "q4_k_s": QType("q4_k_s", "Q4_K", "MOSTLY_Q4_K_S"),
+    "q4_k_m": QType("q4_k_m", "Q4_K", "MOSTLY_Q4_K_M"),
+    "q5_k_m": QType("q5_k_m", "Q5_K", "MOSTLY_Q5_K_M"),
+    "q6_k": QType("q6_k", "Q6_K", "MOSTLY_Q6_K"),
+    "q3_k_m": QType("q3_k_m", "Q3_K", "MOSTLY_Q3_K_M"),
+    "q2_k": QType("q2_k", "Q2_K", "MOSTLY_Q2_K"),
+}
+
+# --- codes -> blocks --------------------------------------------------------------------------
+
+
+def cannot_place(spec: QuantSpec, columns: int, qtype: QType) -> str | None:
+    """Why the codes of a ``spec`` grid over ``columns`` inputs cannot be placed in ``qtype``
+    blocks as they are (None: they can)."""
+    if not qtype.max_bits:
+        return f"{qtype.name} holds no integer codes"
+    if spec.bits > qtype.max_bits:
+        return f"{spec.bits}-bit codes do not fit {qtype.name} ({qtype.max_bits}-bit)"
+    if qtype.needs_symmetric and not spec.symmetric:
+        return f"asymmetric codes need a zero offset, which {qtype.name} does not have"
+    if columns % BLOCK:
+        return f"width {columns} is not a multiple of {BLOCK}"
+    g = spec.group_width(columns)
+    if g % BLOCK and g != columns:
+        return f"group size {spec.group_size} is not a multiple of {BLOCK}"
+    return None
+
+
+def codes_to_blocks(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, spec: QuantSpec,
+                    qtype: QType) -> np.ndarray:
+    """(rows, cols) codes, (rows, G) fp16 scales and zeros -> (rows, nbytes) uint8 GGUF blocks."""
+    rows, cols = codes.shape
+    nb = cols // BLOCK
+    g = spec.group_width(cols)
+    gidx = (np.arange(nb) * BLOCK) // g  # the group of each block (blocks never straddle groups)
+    d = np.asarray(scales, dtype=np.float16)[:, gidx]  # (rows, nb)
+    z = np.asarray(zeros, dtype=np.int16)[:, gidx][:, :, None]
+    q = np.asarray(codes, dtype=np.int16).reshape(rows, nb, BLOCK)
+    d_bytes = d.reshape(rows, nb, 1).view(np.uint8)  # (rows, nb, 2)
+    if qtype.name == "q8_0":
+        n = (q - z).astype(np.int8).view(np.uint8)
+        parts = [d_bytes, n]
+    else:
+        if qtype.name == "q4_0":
+            n = (q - z + 8).astype(np.uint8)
+            head = [d_bytes]
+        else:  # q4_1
+            m = (-(d.astype(np.float32) * z[:, :, 0].astype(np.float32))).astype(np.float16)
+            n = q.astype(np.uint8)
+            head = [d_bytes, m.reshape(rows, nb, 1).view(np.uint8)]
+        # llama.cpp's layout: byte j holds element j (low nibble) and element j+16 (high nibble).
+        packed = n[:, :, : BLOCK // 2] | (n[:, :, BLOCK // 2 :] << 4)
+        parts = [*head, packed.astype(np.uint8)]
+    return np.ascontiguousarray(np.concatenate(parts, axis=2).reshape(rows, -1))
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order (convert_hf_to_gguf.py LlamaModel.permute), any trailing dims."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# --- llama.cpp's quantizer --------------------------------------------------------------------
+
+
+def llamacpp_quantize(src_path: Path, dst_path: Path, qtype: QType, n_threads: int | None = None) -> None:
+    from ..models.gguf_check import quiet_native_stderr
+    from ..models.source import require_llama_cpp
+
+    llama_cpp = require_llama_cpp()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{qtype.ftype}")
+    params.nthread = n_threads or max(1, os.cpu_count() or 1)
+    params.allow_requantize = False  # tensors already holding codes are copied, never re-quantized
+    with quiet_native_stderr():
+        rc = llama_cpp.llama_model_quantize(str(src_path).encode(), str(dst_path).encode(), params)
+    if rc != 0:
+        raise GGUFExportError(f"llama.cpp's quantizer failed ({rc}) to write {qtype.name}")
+
+
+def check_requantized(path: Path, tensors, report_tensors: dict) -> None:
+    """After llama.cpp's quantizer: record final types; the placed codes must be byte-identical."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    placed = {name: data for name, data, raw in tensors if raw is not None}
+    for t in reader.tensors:
+        info = report_tensors.setdefault(t.name, {"codes_kept": False})
+        info["type"] = t.tensor_type.name
+        if t.name in placed:
+            if not np.array_equal(np.asarray(t.data).reshape(-1), placed[t.name].reshape(-1)):
+                raise GGUFExportError(f"llama.cpp's quantizer changed the placed codes of {t.name}")
+        elif info.get("codes_kept"):
+            info["codes_kept"] = False
