@@ -247,7 +247,7 @@ def main() -> int:
 
     # --- 3. ONNX int4 ----------------------------------------------------------------------------
     from slmedge.export import onnx as ox
-    from slmedge.runtimes.ort import OrtDecoder
+    from slmedge.backends.ort import OrtDecoder
 
     onnx_rows = []
     ours_dir = wd / "onnx-ours-gptq-int4"

@@ -37,7 +37,7 @@ def llama_cpp_own(path: Path, prompt: list[int], n_gen: int, threads: int, repea
     """llama-cpp-python's generation loop on the file, timed by llama.cpp's own counters."""
     import llama_cpp
 
-    from slmedge.runtimes.native import quiet_native_stderr
+    from slmedge.backends.llamacpp import quiet_native_stderr
 
     with quiet_native_stderr():
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + n_gen + 8, n_batch=512, verbose=False,
@@ -128,7 +128,7 @@ def main() -> int:
         # Per-token parity: the same window's log-probs on both sides.
         from slmedge.evaluate.subject import open_subject
         from slmedge.targets.profiles import get_profile as gp
-        from slmedge.targets.session import open_on_target
+        from slmedge.evaluate.subject import open_on_target
 
         nat = open_subject(str(files["q4_0"]), threads=2)
         emu = open_on_target(str(files["q4_0"]), None, 2, 256, gp("arm64"))

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 # System packages the targets need (an sshd for the ssh transport's tests, qemu and an aarch64
 # cross compiler for the emulated arm64 target). Installed when this runs as root with apt;
-# otherwise say what is missing (the tests that need them skip, with that reason).
+# otherwise say what is missing (the tests that need them skip with that reason; under CI=true they fail).
 SYS_PKGS="openssh-server openssh-client qemu-user-static gcc-aarch64-linux-gnu g++-aarch64-linux-gnu cmake chromium"
 missing=""
 for p in $SYS_PKGS; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"; done

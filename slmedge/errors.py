@@ -47,3 +47,11 @@ class ArtifactError(SlmedgeError):
 
 class RuntimeNotInstalledError(SlmedgeError):
     """An optional runtime (llama.cpp, onnxruntime...) is not installed."""
+
+
+class CorruptModelError(SlmedgeError):
+    """A model file its runtime cannot load."""
+
+
+class TargetError(SlmedgeError):
+    """A target cannot run this evaluation (unreachable, missing runtime, too little RAM...)."""

@@ -111,3 +111,34 @@ def safetensors_full_disk(*args, **kwargs):
     import safetensors
 
     raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+# --- prerequisites: a skip locally, a failure in CI ------------------------------------------------
+
+
+def missing_prerequisite(reason: str):
+    """A test cannot run because something scripts/setup.sh (or scripts/test.sh) installs is
+    missing: it skips with ``reason`` on a developer's machine, and fails under ``CI=true``, where
+    a skip would hide a broken install."""
+    __tracebackhide__ = True  # reported at the test's line, not here
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: scripts/setup.sh should have provided it)", pytrace=False)
+    pytest.skip(reason)
+
+
+def require(ok: bool, reason: str) -> None:
+    """``missing_prerequisite(reason)`` unless ``ok``."""
+    __tracebackhide__ = True
+    if not ok:
+        missing_prerequisite(reason)
+
+
+def require_import(module: str, reason: str | None = None):
+    """``pytest.importorskip`` that fails under ``CI=true``: the module, imported."""
+    import importlib
+
+    __tracebackhide__ = True
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        missing_prerequisite(reason or f"{module} is not importable ({exc})")

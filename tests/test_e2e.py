@@ -28,7 +28,9 @@ def default_model():
     try:
         source.embedded_gguf_path("smollm2-135m")
     except Exception as exc:  # pragma: no cover - only without the package
-        pytest.skip(str(exc))
+        from conftest import missing_prerequisite
+
+        missing_prerequisite(str(exc))
     return source.load(None)
 
 

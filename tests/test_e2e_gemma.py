@@ -22,7 +22,9 @@ def gemma():
     try:
         gguf = source.embedded_gguf_path("gemma3-270m")
     except Exception as exc:  # pragma: no cover - only without the package
-        pytest.skip(str(exc))
+        from conftest import missing_prerequisite
+
+        missing_prerequisite(str(exc))
     return source.load("gemma3-270m"), gguf
 
 
@@ -45,7 +47,7 @@ def test_transformers_own_gemma3_tokenizer_is_refused(gemma):
 
 
 def test_gemma3_tokenizes_every_corpus_and_task_as_llama_cpp_does(gemma):
-    from slmedge.runtimes.native import vocab_only
+    from slmedge.backends.llamacpp import vocab_only
 
     lm, gguf = gemma
     from slmedge.data.files import SHIPPED, shipped_files

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from conftest import one_line_error
+from conftest import one_line_error, require_import
 from slmedge.cli import app
 from slmedge.errors import DataError, RuntimeNotInstalledError
 from slmedge.evaluate.api import EvalSettings, Evaluation
@@ -27,6 +27,7 @@ from slmedge.export.onnx import export_onnx
 from slmedge.runtimes import TorchRuntime
 
 runner = CliRunner()
+LM_EVAL_MISSING = "lm_eval is not installed (pip install -e '.[bench]'; scripts/setup.sh installs it)"
 TEXT = ("Zürich's café served naïve crème brûlée; 東京 and भारत appear too. " * 30
         + "The quick brown fox jumps over the lazy dog. " * 40)
 
@@ -256,7 +257,7 @@ def test_runtime_not_installed_gives_the_install_hint(exports, tmp_path, monkeyp
 
 
 def test_lm_eval_scores_our_task_files_like_slmedge_through_both_model_classes(tiny_models, tmp_path):
-    lm_eval = pytest.importorskip("lm_eval")
+    lm_eval = require_import("lm_eval", LM_EVAL_MISSING)
     from lm_eval.tasks import TaskManager
 
     import slmedge.lm_eval_model  # noqa: F401 - registers --model slmedge
@@ -293,7 +294,7 @@ def test_task_groups_expand():
 
 
 def test_lm_eval_command_passes_through_with_slmedge_registered():
-    pytest.importorskip("lm_eval")
+    require_import("lm_eval", LM_EVAL_MISSING)
     r = runner.invoke(app, ["lm-eval", "--help"])
     assert r.exit_code == 0 and "--model" in r.output and "--tasks" in r.output
 

@@ -94,7 +94,7 @@ def test_wanda_comparison_group_is_the_output_row(sparsity):
     norms = InputNormStats(64, "cpu")
     norms.add_batch(X)
     keep = prune_by_score(W.abs() * norms.scaler_row.sqrt(), sp, group="row")
-    if sp.structured:
+    if sp.is_nm:
         assert ((~keep).reshape(48, -1, sp.m).sum(dim=2) == sp.n).all()
     else:
         assert ((~keep).sum(dim=1) == int(64 * sp.ratio)).all()

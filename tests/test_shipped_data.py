@@ -198,6 +198,13 @@ def test_wheel_and_sdist_carry_every_data_file_and_its_licence(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[0] == str(site / "slmedge" / "data" / "shipped")
     assert f"ok: {len(shipped_files())} data files" in proc.stdout
+    # The target profiles travel with the package too (the repository's targets/ links to them).
+    profiles = sorted(p.name for p in (REPO / "targets").glob("*.toml"))
+    assert len(profiles) >= 6 and all(f"slmedge/targets/shipped/{n}" in names for n in profiles)
+    code = "import sys; from slmedge.cli import app; sys.argv = ['slmedge', 'targets', 'list']; app()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, "COLUMNS": "200"},
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0 and "raspberry-pi-5" in proc.stdout and "snapdragon-8-gen-3" in proc.stdout, proc.stderr
 
     code = "from setuptools import build_meta; import sys; print(build_meta.build_sdist(sys.argv[1]))"
     proc = subprocess.run([sys.executable, "-c", code, str(dist)], capture_output=True, text=True, cwd=src, timeout=600)

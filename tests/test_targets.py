@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import one_line_error
+from conftest import missing_prerequisite, one_line_error
 from typer.testing import CliRunner
 
 from slmedge.cli import app
@@ -21,7 +21,6 @@ from slmedge.evaluate.store import ResultsStore
 from slmedge.evaluate.subject import open_subject
 from slmedge.targets.profiles import Profile, TargetError, all_profiles, get_profile, parse_profile
 from slmedge.targets.roofline import roofline, set_against
-from slmedge.targets.session import TargetSession
 from slmedge.targets.transports import LocalChild
 
 runner = CliRunner()
@@ -126,7 +125,7 @@ def test_cpu_latency_is_set_against_this_machines_roofline(exports, tmp_path, ta
 def test_runner_in_a_child_process_scores_like_in_process(runtime, exports):
     prof = Profile(name="child", transport="local", threads=1, runtimes=["llama.cpp", "onnxruntime"])
     local = open_subject((exports[runtime]), threads=1)
-    remote = open_subject((exports[runtime]), threads=1, factory=TargetSession(prof, LocalChild(prof)).factory)
+    remote = open_subject((exports[runtime]), threads=1, factory=LocalChild(prof).open_runtime)
     try:
         ids = local.encoder.encode(TEXT)[:40]
         assert np.array_equal(local.runtime.logits(ids), remote.runtime.logits(ids))
@@ -155,7 +154,7 @@ def test_runner_reports_a_missing_runtime(exports, tmp_path):
 
     prof = Profile(name="bare", transport="local", runtimes=["llama.cpp", "onnxruntime"])
     with pytest.raises(RuntimeNotInstalledError, match="target 'bare' has no llama.cpp: pip install llama-cpp-python"):
-        open_subject((exports["llama.cpp"]), factory=TargetSession(prof, Bare(prof)).factory)
+        open_subject((exports["llama.cpp"]), factory=Bare(prof).open_runtime)
 
 
 # --- ssh: a real sshd on 127.0.0.1 -----------------------------------------------------------------
@@ -172,7 +171,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
     if SSHD is None:
-        pytest.skip("sshd is not installed (apt-get install openssh-server; .ci/run installs it)")
+        missing_prerequisite("sshd is not installed (apt-get install openssh-server; scripts/setup.sh installs it)")
     d = tmp_path_factory.mktemp("sshd")
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "host_key")], check=True)
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "user_key")], check=True)
@@ -300,24 +299,23 @@ def test_ssh_profile_fields_never_reach_a_shell(tmp_path, monkeypatch):
 # --- arm64 under qemu ------------------------------------------------------------------------------
 
 
-def _arm64_ready() -> bool:
+@pytest.fixture
+def arm64_env() -> dict:
+    """The built arm64 environment's record (env.json, written only after its runner passed the
+    check); a test that needs it skips without it, and fails under CI=true."""
     from slmedge.targets.emulation import env_root
 
-    return (env_root() / "env.json").is_file()
+    f = env_root() / "env.json"
+    if not f.is_file():
+        missing_prerequisite(f"no arm64 environment in {f.parent}: slmedge targets setup arm64 "
+                             "(scripts/test.sh builds it)")
+    return json.loads(f.read_text())
 
 
-needs_arm64 = pytest.mark.skipif(not _arm64_ready(), reason="no arm64 environment: slmedge targets setup arm64 "
-                                 "(.ci/run builds it)")
-
-
-@needs_arm64
 @pytest.mark.parametrize("runtime", ["llama.cpp", "onnxruntime"])
-def test_arm64_emulated_agrees_with_native_x86(runtime, exports, tmp_path, task_file):
-    from slmedge.targets.emulation import env_root
-
-    if runtime not in json.loads((env_root() / "env.json").read_text()).get("versions", {}) or \
-            not json.loads((env_root() / "env.json").read_text())["versions"].get(runtime):
-        pytest.skip(f"the arm64 environment has no {runtime}")
+def test_arm64_emulated_agrees_with_native_x86(runtime, arm64_env, exports, tmp_path, task_file):
+    if not (arm64_env.get("versions") or {}).get(runtime):
+        missing_prerequisite(f"the arm64 environment has no {runtime}")
     store = ResultsStore(tmp_path / "r.sqlite")
     settings = dict(metrics=("perplexity", "tasks", "latency"), ppl_windows=1, pp=8, tg=2)
     native = evaluate((exports[runtime]), _settings(tmp_path, task_file, **settings))
@@ -332,6 +330,101 @@ def test_arm64_emulated_agrees_with_native_x86(runtime, exports, tmp_path, task_
     rows = store.rows(arm["run_id"])
     assert rows and all(r["target"] == "arm64" and r["emulated"] == 1 for r in rows)
     store.close()
+
+
+# --- arm64 setup: the record is written only after the runner passed its check (no qemu needed) ----
+
+ARM_VERSIONS = {"python": "3.11.2", "machine": "aarch64", "system": "Linux", "numpy": "2.0.0",
+                "onnxruntime": "1.20.0", "llama.cpp": "0.3.0"}
+
+
+@pytest.fixture
+def fake_setup(tmp_path, monkeypatch):
+    """setup_arm64 with the downloads and builds stubbed out and an environment root under
+    tmp_path; ``answer["versions"]``: what the runner says (a dict, or an exception to raise)."""
+    from slmedge.targets import emulation
+
+    monkeypatch.setenv("SLMEDGE_TARGET_ENVS", str(tmp_path / "envs"))
+    monkeypatch.setattr(emulation, "_setup_qemu", lambda root, log: "/usr/bin/qemu-aarch64-static")
+    monkeypatch.setattr(emulation, "_setup_sysroot", lambda root, log: None)
+    monkeypatch.setattr(emulation, "_setup_wheels", lambda root, log: None)
+    monkeypatch.setattr(emulation, "_setup_llama_cpp", lambda root, log: "0.3.0")
+    answer = {"versions": dict(ARM_VERSIONS), "calls": 0}
+
+    def versions(self):
+        answer["calls"] += 1
+        # The check runs on the record in memory: nothing is on disk yet.
+        assert not (self.root / "env.json").exists(), "env.json was written before the runner passed"
+        assert self.manifest()["qemu"] == "/usr/bin/qemu-aarch64-static"
+        if isinstance(answer["versions"], Exception):
+            raise answer["versions"]
+        return answer["versions"]
+
+    monkeypatch.setattr(emulation.EmulatedTransport, "versions", versions)
+    answer["env"] = tmp_path / "envs" / "arm64" / "env.json"
+    return answer
+
+
+@pytest.mark.parametrize("versions,words", [
+    ({**ARM_VERSIONS, "machine": "x86_64"}, "machine 'x86_64'"),
+    ({**ARM_VERSIONS, "llama.cpp": None}, "no llama.cpp version"),
+    ({k: v for k, v in ARM_VERSIONS.items() if k != "onnxruntime"}, "no onnxruntime version"),
+    (TargetError("target 'arm64': the runner failed: Illegal instruction"), "Illegal instruction"),
+])
+def test_arm64_setup_with_a_failing_check_leaves_no_record(fake_setup, versions, words):
+    from slmedge.targets.emulation import SetupError, setup_arm64, up_to_date
+
+    fake_setup["versions"] = versions
+    with pytest.raises(SetupError, match="failed its check under emulation") as err:
+        setup_arm64(get_profile("arm64"), log=lambda msg: None)
+    assert words in str(err.value) and fake_setup["calls"] == 1
+    assert not fake_setup["env"].exists() and not up_to_date()
+
+
+def test_arm64_setup_with_a_passing_check_writes_the_record(fake_setup):
+    from slmedge.targets.emulation import setup_arm64, up_to_date
+
+    fake_setup["versions"] = {**ARM_VERSIONS, "llama.cpp": None}  # a failed build first
+    with pytest.raises(TargetError):
+        setup_arm64(get_profile("arm64"), log=lambda msg: None)
+    assert not up_to_date()
+    fake_setup["versions"] = dict(ARM_VERSIONS)
+    m = setup_arm64(get_profile("arm64"), log=lambda msg: None)
+    record = json.loads(fake_setup["env"].read_text())
+    assert record["versions"] == ARM_VERSIONS == m["versions"] and record["runtimes"] == ["onnxruntime", "llama.cpp"]
+    assert up_to_date()
+    # without llama.cpp the check asks for onnxruntime only (and --if-needed still builds it all)
+    fake_setup["versions"] = {**ARM_VERSIONS, "llama.cpp": None}
+    m = setup_arm64(get_profile("arm64"), log=lambda msg: None, llama_cpp=False)
+    assert m["runtimes"] == ["onnxruntime"] and fake_setup["env"].is_file() and not up_to_date()
+
+
+def test_a_record_without_a_runtime_version_is_not_up_to_date(fake_setup):
+    from slmedge.targets.emulation import _wanted, up_to_date
+
+    fake_setup["env"].parent.mkdir(parents=True)
+    for versions in ({**ARM_VERSIONS, "llama.cpp": None}, {**ARM_VERSIONS, "machine": "x86_64"}, None):
+        record = {"wanted": _wanted(), "built": {"llama.cpp": "0.3.0"}}  # what a failed check left before
+        if versions is not None:
+            record["versions"] = versions
+        fake_setup["env"].write_text(json.dumps(record))
+        assert not up_to_date(), versions
+    fake_setup["env"].write_text(json.dumps({"wanted": _wanted(), "versions": ARM_VERSIONS}))
+    assert up_to_date()
+
+
+def test_setup_if_needed_rebuilds_after_a_failed_check(fake_setup):
+    fake_setup["versions"] = {**ARM_VERSIONS, "machine": "x86_64"}
+    res = runner.invoke(app, ["targets", "setup", "arm64", "--if-needed"])
+    last = res.output.strip().splitlines()[-1]  # after the setup's progress lines: one error line
+    assert res.exit_code == 1 and "Traceback" not in res.output and last.startswith("error:"), res.output
+    assert "failed its check under emulation" in last and "x86_64" in last
+    assert not fake_setup["env"].exists()
+    fake_setup["versions"] = dict(ARM_VERSIONS)
+    res = runner.invoke(app, ["targets", "setup", "arm64", "--if-needed"])
+    assert res.exit_code == 0 and "ready:" in res.output and fake_setup["calls"] == 2, res.output
+    res = runner.invoke(app, ["targets", "setup", "arm64", "--if-needed"])
+    assert res.exit_code == 0 and "already built" in res.output and fake_setup["calls"] == 2, res.output
 
 
 # --- cuda ---------------------------------------------------------------------------------------------
@@ -359,3 +452,15 @@ def test_cuda_evaluation_matches_cpu(exports, tmp_path, task_file):
     gpu = evaluate((exports["onnxruntime"]), _settings(tmp_path, task_file, metrics=("perplexity",), target="cuda"))
     assert gpu["metrics"]["perplexity"]["c.txt"]["perplexity"] == pytest.approx(
         cpu["metrics"]["perplexity"]["c.txt"]["perplexity"], rel=1e-3)
+
+
+@pytest.mark.parametrize("field,value", [("host", "-oProxyCommand=touch pwned"), ("user", "-l"),
+                                         ("workdir", "-rf"), ("python", "--version")])
+def test_ssh_values_that_would_read_as_options_are_refused(field, value, tmp_path, monkeypatch):
+    from slmedge.targets.transports import transport_for
+
+    monkeypatch.setenv("SLMEDGE_TARGETS", str(tmp_path))
+    ssh = {"host": "h", field: value}
+    (tmp_path / "dash.toml").write_text('transport = "ssh"\n[ssh]\n' + "".join(f'{k} = "{v}"\n' for k, v in ssh.items()))
+    with pytest.raises(ConfigError, match="not starting with -"):
+        transport_for(get_profile("dash"))

@@ -132,7 +132,7 @@ def evaluate_command(
 
     with errors_to_exit():
         settings = EvalSettings(
-            metrics=_split(metrics) or METRICS, langs=_split(langs) or (), wikitext=not no_wikitext,
+            metrics=_split(metrics) or tuple(METRICS), langs=_split(langs) or (), wikitext=not no_wikitext,
             corpora=tuple(corpus or ()), seqlen=seqlen, stride=stride, ppl_windows=ppl_windows or None,
             tasks=_split(tasks), limit=limit, reference=reference, reference_runtime=reference_runtime, pp=pp, tg=tg,
             repeats=repeats, context=context, threads=threads, runtime=runtime, target=target,

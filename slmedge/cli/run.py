@@ -19,6 +19,7 @@ from ..compress.api import compress, default_output
 from ..compress.artifact import Artifact
 from ..compress.recipe import Recipe
 from ..errors import ArtifactError
+from ..models.artifact_format import is_artifact, manifest_path
 from .common import console, errors_to_exit, progress_bar
 from .data import DATA_DIR_HELP
 from .evaluate import flips_text
@@ -98,9 +99,9 @@ def _fresh(gguf_path: Path, artifact: Path) -> bool:
     """An export newer than the artifact's manifest, written from it (the GGUF's manifest says so)."""
     import json
 
-    from ..runtimes import gguf_metadata
+    from ..backends.llamacpp import gguf_metadata
 
-    if not gguf_path.is_file() or gguf_path.stat().st_mtime < (artifact / "slmedge.json").stat().st_mtime:
+    if not gguf_path.is_file() or gguf_path.stat().st_mtime < manifest_path(artifact).stat().st_mtime:
         return False
     try:
         manifest = json.loads(gguf_metadata(gguf_path).get("slmedge.manifest", "{}"))
@@ -122,7 +123,7 @@ def _print_side_by_side(rows, recipe) -> None:
         key = "acc_norm" if "acc_norm" in bt[name] else "acc"
         # The flips counted on the metric shown: items whose acc_norm answer changed.
         flipped = "flips_norm_vs_reference" if key == "acc_norm" else "flips_vs_reference"
-        extra = f" ({flips_text(ct[name], flipped)} answers flipped)" if flipped in ct[name] else ""
+        extra = f", {flips_text(ct[name], flipped)} flipped" if flipped in ct[name] else ""
         t.add_row(f"{name} {key} (n={bt[name]['n']})", f"{bt[name][key]:.3f}", f"{ct[name][key]:.3f}" + extra)
     f = comp["metrics"].get("fidelity")
     if f:
@@ -140,7 +141,7 @@ def _print_side_by_side(rows, recipe) -> None:
 
 
 def _is_artifact(path: Path) -> bool:
-    return (path / "slmedge.json").is_file()
+    return is_artifact(path)
 
 
 def _reusable(path: Path, recipe: Recipe):

@@ -99,7 +99,7 @@ def _projection(prof, model: str, context: int) -> dict:
     if not path.is_file() or path.suffix not in (".gguf", ".onnx"):
         raise ConfigError(f"--model takes a .gguf or .onnx file; {model} is not one")
     if path.suffix == ".gguf":
-        from ..runtimes import gguf_metadata
+        from ..backends.llamacpp import gguf_metadata
 
         md = gguf_metadata(path)
         arch = md.get("general.architecture", "")
@@ -164,23 +164,16 @@ def setup_command(name: str = typer.Argument(..., help="An emulated target (arm6
     Example:
       slmedge targets setup arm64
     """
-    from ..errors import ConfigError
-    from ..targets.emulation import setup_arm64
     from ..targets.profiles import get_profile
+    from ..targets.registry import transport_for
 
     with errors_to_exit():
-        prof = get_profile(name)
-        if prof.transport != "emulated":
-            raise ConfigError(f"target '{prof.name}' ({prof.transport}) needs no setup; `slmedge targets check "
-                              f"{prof.name}` says what it has")
-        if if_needed:
-            from ..targets.emulation import up_to_date
-
-            if up_to_date():
-                console.print(f"target {prof.name}: environment already built")
-                return
-        m = setup_arm64(prof, log=lambda msg: console.print(f"setup: {msg}", markup=False, highlight=False),
-                        rebuild=rebuild, llama_cpp=not no_llama_cpp)
+        transport = transport_for(get_profile(name))
+        if if_needed and transport.is_set_up():
+            console.print(f"target {transport.profile.name}: environment already built")
+            return
+        m = transport.setup(log=lambda msg: console.print(f"setup: {msg}", markup=False, highlight=False),
+                            rebuild=rebuild, llama_cpp=not no_llama_cpp)
     v = m.get("versions", {})
     console.print(f"ready: Python {v.get('python')} on {v.get('machine')} (emulated {m['qemu_cpu']}), "
                   f"onnxruntime {v.get('onnxruntime')}, llama.cpp {v.get('llama.cpp')} — {m['seconds']:.0f} s")

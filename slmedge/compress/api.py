@@ -34,25 +34,26 @@ def default_output(source_name: str, recipe: Recipe) -> Path:
         g = "ch" if recipe.group_size == -1 else recipe.group_size
         parts.append(f"w{recipe.bits}g{g}{'s' if recipe.symmetric else ''}")
     if recipe.sparsity is not None:
-        parts.append("s" + recipe.sparsity.replace(":", "of").replace(".", "p"))
+        parts.append("s" + recipe.sparsity.describe().replace(":", "of").replace(".", "p"))
     return Path("slmedge-out") / "-".join(parts)
 
 
 def check_compatible(loaded: LoadedModel, recipe: Recipe) -> None:
     """Refuse, before any work, settings this model's layers cannot take (naming the layer)."""
     arch = loaded.arch
-    spars = recipe.sparsity_spec()
+    spars = recipe.sparsity
     model = loaded.model
     names = [f"{arch.layers}.{i}.{rel}" for i in range(len(model.get_submodule(arch.layers))) for rel in arch.linear_names]
     if not is_skipped(arch.lm_head, recipe.skip):
         names.append(arch.lm_head)
-        if get_method(recipe.method).name == "awq":
-            raise ConfigError(f"awq cannot compress {arch.lm_head} (no preceding op to fold scales into); keep it skipped")
+        if get_method(recipe.method).cls.block_level:
+            raise ConfigError(f"{recipe.method} cannot compress {arch.lm_head} (no preceding op to fold scales into); "
+                              "keep it skipped")
     for name in names:
         if is_skipped(name, recipe.skip):
             continue
         cols = model.get_submodule(name).in_features
-        if spars is not None and spars.structured and cols % spars.m:
+        if spars is not None and spars.is_nm and cols % spars.m:
             divisors = [m for m in (4, 8, 16) if cols % m == 0]
             raise ConfigError(
                 f"{spars.n}:{spars.m} sparsity needs input widths divisible by {spars.m}; {name} has {cols} "

@@ -8,6 +8,11 @@
   searches' plain results (AWQ scales). Its metadata says bits, group size and symmetry.
 - ``slmedge.json``: recipe, base model identity, calibration identity, versions, timings, sizes
   and the sha256 of every other file. Written last; a directory without it is incomplete.
+
+The file names and the manifest readers (``MANIFEST``, ``is_artifact``, ``manifest_path``,
+``read_manifest``, ``open_manifest``) are defined once, in ``slmedge.models.artifact_format``: a
+model source may be an artifact, and loading a model must not import compression (nor torch).
+They are re-exported here for compress and its callers.
 """
 
 from __future__ import annotations
@@ -23,15 +28,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .. import __version__
-from ..errors import ArtifactError
 from ..fsutil import atomic_directory, sha256_file, write_json_atomic
+from ..models.artifact_format import (FORMAT, FORMAT_VERSION, MANIFEST, QUANT_FILE, is_artifact, manifest_path,
+                                      open_manifest, read_manifest, verify_files)
 from .methods.base import LinearResult
 from .quant import QuantSpec, codes_per_byte, pack_codes, pack_mask, unpack_codes, unpack_mask
 
-MANIFEST = "slmedge.json"
-QUANT_FILE = "quantization.safetensors"
-FORMAT = "slmedge-artifact"
-FORMAT_VERSION = 1
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "QUANT_FILE", "Artifact", "is_artifact", "library_versions",
+           "manifest_path", "open_manifest", "quant_tensors", "read_manifest", "verify_files", "write_artifact"]
 
 
 def library_versions() -> dict:
@@ -104,34 +108,13 @@ class Artifact:
 
     @classmethod
     def open(cls, path, verify: bool = True) -> "Artifact":
+        """Open a complete artifact; with ``verify`` every file is checked against its sha256."""
         path = Path(path)
-        if not path.is_dir():
-            raise ArtifactError(f"{path} is not an artifact directory")
-        mpath = path / MANIFEST
-        if not mpath.is_file():
-            raise ArtifactError(f"{path} is incomplete: it has no {MANIFEST} (was the run that wrote it interrupted?)")
-        try:
-            manifest = json.loads(mpath.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise ArtifactError(f"{mpath} is not valid JSON: the artifact is corrupt") from exc
-        if manifest.get("format") != FORMAT:
-            raise ArtifactError(f"{mpath} is not an slmedge artifact manifest")
-        art = cls(path, manifest)
-        if verify:
-            art.verify()
-        return art
+        return cls(path, open_manifest(path, verify=verify))
 
     def verify(self) -> None:
         """Check every file listed in the manifest against its sha256."""
-        files = self.manifest.get("files")
-        if not files:
-            raise ArtifactError(f"{self.path / MANIFEST} lists no files and checksums")
-        for name, info in files.items():
-            f = self.path / name
-            if not f.is_file():
-                raise ArtifactError(f"artifact {self.path} is missing {name}")
-            if sha256_file(f) != info.get("sha256"):
-                raise ArtifactError(f"checksum mismatch for {name} in {self.path}: the file was modified or is corrupt")
+        verify_files(self.path, self.manifest)
 
     def load_model(self, dtype=torch.float32):
         from transformers import AutoModelForCausalLM

@@ -4,7 +4,7 @@ Capture the inputs of the first decoder block, then, block by block: run it with
 collect each linear's statistics, compress, run it again with hooks off so that the next block
 sees the compressed outputs, move on. Only one block's weights and the calibration activations
 are on the device at a time. Methods only say which statistics they need and how to compress
-one linear (or, for AWQ, one block).
+one linear (or, for a block-level method such as AWQ, ``Method.block_level``, one block).
 """
 
 from __future__ import annotations
@@ -18,10 +18,14 @@ import torch
 
 from ..errors import ConfigError
 from ..models.architectures import Architecture
+from .blocks import BlockInputs, run_block
 from .hooks import StopForward, linear_inputs, module_calls
 from .methods import get_method
 from .methods.base import LinearResult
 from .recipe import Recipe
+
+__all__ = ["BlockInputs", "CompressionResult", "block_linears", "capture_inputs", "collect_stats", "compress_model",
+           "is_skipped", "resolve_device", "run_block"]
 
 Progress = Callable[[str, int, int], None]
 
@@ -59,30 +63,6 @@ def block_linears(layer: torch.nn.Module, arch: Architecture, prefix: str, skip)
         if not is_skipped(full, skip):
             out[full] = layer.get_submodule(rel)
     return out
-
-
-def run_block(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    out = layer(hidden, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
-
-
-class BlockInputs:
-    """Hidden states entering the current block, per batch, and each block's call kwargs.
-
-    Keyword arguments (rotary embeddings, attention masks) can differ between blocks (Gemma's
-    sliding-window layers get another mask), so they are captured for every block from one
-    full forward per distinct batch size, then reused for all batches of that size.
-    """
-
-    def __init__(self, hidden: list[torch.Tensor], kwargs: dict[tuple[int, int], dict]):
-        self.hidden = hidden
-        self._kwargs = kwargs
-
-    def kwargs(self, layer_index: int, batch: torch.Tensor) -> dict:
-        return self._kwargs[(layer_index, batch.shape[0])]
-
-    def __len__(self):
-        return len(self.hidden)
 
 
 def _move_outside_layers(model: torch.nn.Module, layers_path: str, device: torch.device) -> None:
@@ -146,7 +126,6 @@ def compress_model(
     device = resolve_device(device) if not isinstance(device, torch.device) else device
     info = get_method(recipe.method)
     method = info.cls(recipe)
-    block_method = getattr(method, "compress_block", None)
     needs_data = method.needs_calibration
     layers = model.get_submodule(arch.layers)
     result = CompressionResult()
@@ -165,8 +144,8 @@ def compress_model(
         prefix = f"{arch.layers}.{idx}"
         layer.to(device)
         linears = block_linears(layer, arch, prefix, recipe.skip)
-        if block_method is not None:
-            found, extras = block_method(layer, prefix, linears, inputs, idx, arch)
+        if method.block_level:
+            found, extras = method.compress_block(layer, prefix, linears, inputs, idx, arch)
             result.layers.update(found)
             result.extras.update(extras)
         elif method.stats_class is None:  # data-free: nothing to collect
@@ -237,7 +216,7 @@ def collect_stats(layer, idx: int, todo: dict, inputs: BlockInputs, stats_class,
 
 def _compress_head(model, arch, method, inputs, device) -> LinearResult:
     head = model.get_submodule(arch.lm_head)
-    if getattr(method, "compress_block", None) is not None:
+    if method.block_level:
         raise ConfigError(f"{method.name} cannot compress {arch.lm_head}; keep it in --skip")
     stats = None
     if method.stats_class is not None:

@@ -1,49 +1,22 @@
-"""The compression recipe: one strict, typed description of what to do, saved with the artifact."""
+"""The compression recipe: one strict, typed description of what to do, saved with the artifact.
+
+Its fields are the settings: the study file's [[methods]] keys are derived from them
+(``slmedge.study.spec``) and a test holds the CLI's options to them, so a new setting is added
+here once.
+"""
 
 from __future__ import annotations
 
-import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from ..errors import ConfigError
+from .methods import METHODS, get_method
 from .quant import QuantSpec
+from .sparsity import Sparsity
+
+__all__ = ["DEFAULT_SKIP", "Recipe", "Sparsity"]
 
 DEFAULT_SKIP = ("lm_head", "*embed_tokens*")
-
-
-@dataclass(frozen=True)
-class Sparsity:
-    """Unstructured ratio, or N:M (N zeros in every M consecutive weights of a row)."""
-
-    ratio: float
-    n: int | None = None
-    m: int | None = None
-
-    @property
-    def structured(self) -> bool:
-        return self.n is not None
-
-    def describe(self) -> str:
-        return f"{self.n}:{self.m}" if self.structured else f"{self.ratio:g}"
-
-    @classmethod
-    def parse(cls, value) -> "Sparsity":
-        if isinstance(value, Sparsity):
-            return value
-        text = str(value).strip()
-        match = re.fullmatch(r"(\d+)\s*:\s*(\d+)", text)
-        if match:
-            n, m = int(match.group(1)), int(match.group(2))
-            if m < 2 or n < 1 or n >= m:
-                raise ConfigError(f"N:M sparsity needs 1 <= N < M (N zeros in every M weights), got {n}:{m}")
-            return cls(n / m, n, m)
-        try:
-            ratio = float(text)
-        except ValueError:
-            raise ConfigError(f"sparsity must be a ratio in [0, 1) or N:M such as 2:4, got '{text}'") from None
-        if not 0 <= ratio < 1:
-            raise ConfigError(f"sparsity must be at least 0 and below 1, got {ratio:g}")
-        return cls(ratio)
 
 
 @dataclass
@@ -53,8 +26,8 @@ class Recipe:
     bits: int | None = 4
     group_size: int = 128
     symmetric: bool = False
-    # Pruning.
-    sparsity: str | None = None
+    # Pruning: a ratio (0.5) or N:M (2:4), given as text or a number; parsed once, on construction.
+    sparsity: Sparsity | None = None
     # Calibration.
     calibration: str = "c4"
     nsamples: int = 128
@@ -74,42 +47,50 @@ class Recipe:
     awq_grid: int = 20  # points of the scale-exponent grid in [0, 1)
     awq_clip: bool = True  # search a clipping ratio per group after scaling
     awq_max_tokens: int = 2048  # tokens the search losses use; SmolLM2 W4g64: 2048 -> ppl 29.72, 8192 -> 29.70 at 2.2x the time
-    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self._normalize()
+
+    def _normalize(self) -> None:
+        if self.sparsity is not None:
+            self.sparsity = Sparsity.parse(self.sparsity)
+        if isinstance(self.skip, (list, tuple)):
+            self.skip = tuple(self.skip)
 
     def quant_spec(self) -> QuantSpec | None:
         if self.bits is None:
             return None
         return QuantSpec(self.bits, self.group_size, self.symmetric)
 
-    def sparsity_spec(self) -> Sparsity | None:
-        return None if self.sparsity is None else Sparsity.parse(self.sparsity)
-
     def to_dict(self) -> dict:
-        data = asdict(self)
+        """Plain JSON data (what the artifact's manifest holds); ``from_dict`` reads it back."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["skip"] = list(self.skip)
+        data["sparsity"] = None if self.sparsity is None else self.sparsity.describe()
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Recipe":
+        data = dict(data)
+        # Recipes saved by earlier versions carry ``extra``, a table nothing ever read (since
+        # removed): empty, it is dropped; with anything in it, it is refused like any unknown key.
+        if data.get("extra", None) == {}:
+            del data["extra"]
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown recipe keys: {', '.join(unknown)}")
-        data = dict(data)
-        if "skip" in data:
-            data["skip"] = tuple(data["skip"])
         return cls(**data)
 
     def validate(self) -> "Recipe":
         """Check every setting before any work starts; raise ConfigError with the reason."""
-        from .methods import METHODS, get_method
-
+        self._normalize()
         info = get_method(self.method)
         if self.bits is not None:
             if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
                 raise ConfigError(f"bits must be an integer from 2 to 8, got {self.bits}")
             self.quant_spec()
-        spars = self.sparsity_spec()
+        spars = self.sparsity
         if info.kind == "quantize":
             if spars is not None and spars.ratio > 0:
                 pruners = ", ".join(k for k, v in METHODS.items() if v.kind == "prune")
@@ -123,8 +104,18 @@ class Recipe:
                                 ("block_size", self.block_size, 1), ("awq_grid", self.awq_grid, 1), ("awq_max_tokens", self.awq_max_tokens, 16)):
             if not isinstance(value, int) or value < lo:
                 raise ConfigError(f"{name} must be an integer of at least {lo}, got {value}")
-        if not 0 <= self.damp < 1:
+        if isinstance(self.damp, bool) or not isinstance(self.damp, (int, float)) or not 0 <= self.damp < 1:
             raise ConfigError(f"damp must be in [0, 1), got {self.damp}")
+        for name in ("symmetric", "act_order", "awq_clip", "true_sequential"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "true_sequential" and value is None):
+                raise ConfigError(f"{name} must be true or false, got {value!r}")
+        if not isinstance(self.skip, tuple) or not all(isinstance(p, str) for p in self.skip):
+            raise ConfigError(f"skip must be a list of module-name patterns, got {self.skip!r}")
+        if not isinstance(self.calibration, str):
+            raise ConfigError(f"calibration must be a name, a file or hf:DATASET, got {self.calibration!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         return self
 
     def describe(self) -> str:
@@ -132,5 +123,5 @@ class Recipe:
         if self.bits is not None:
             parts.append(self.quant_spec().describe())
         if self.sparsity is not None:
-            parts.append(f"sparsity {self.sparsity_spec().describe()}")
+            parts.append(f"sparsity {self.sparsity.describe()}")
         return " ".join(parts)

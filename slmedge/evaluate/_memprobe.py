@@ -10,12 +10,13 @@ import json
 import sys
 
 from ..runtimes.memprobe import open_file_runtime, peak_rss, probe
+from ..runtimes.registry import get_runtime
 
 
 def main() -> None:
     spec, runtime, threads, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     before = peak_rss()
-    if runtime in ("llama.cpp", "onnxruntime"):
+    if get_runtime(runtime).runs_files:
         rt = open_file_runtime(runtime, spec, threads, n_ctx=max(n + 8, 64))
     else:
         from .subject import open_subject

@@ -5,20 +5,42 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 from pathlib import Path
 
 from ..errors import ConfigError, DataError
 from ..fsutil import write_json_atomic
 from ..data.files import data_files
+from ..runtimes.registry import get_runtime
 from .corpora import load_corpus, ntrex_languages
 
-METRICS = ("perplexity", "fidelity", "tasks", "memory", "latency")
+# The metrics an evaluation can run, in the order they run: name -> function of the Evaluation.
+# The built-in ones are Evaluation's methods below; a plug-in registers a function of its own.
+METRICS: dict[str, Callable[["Evaluation"], None]] = {}
+BUILTIN_METRICS = ("perplexity", "fidelity", "tasks", "memory", "latency")
+
+
+def register_metric(name: str):
+    """Decorator: register ``fn(evaluation)`` as the metric ``name`` (a duplicate name is refused).
+    It records its numbers in ``evaluation.results["metrics"][name]`` and rows with ``_row``."""
+
+    def wrap(fn):
+        if name in METRICS:
+            raise ValueError(f"metric '{name}' is registered twice ({fn.__qualname__})")
+        METRICS[name] = fn
+        return fn
+
+    return wrap
+
+
+def unregister_metric(name: str) -> None:
+    METRICS.pop(name, None)
 DEFAULT_LANGS = ("en", "ar", "hi", "zh", "th", "de", "es")  # the seed study's seven
 
 
 @dataclass
 class EvalSettings:
-    metrics: tuple[str, ...] = METRICS
+    metrics: tuple[str, ...] = BUILTIN_METRICS
     langs: tuple[str, ...] = DEFAULT_LANGS
     wikitext: bool = True
     corpora: tuple[str, ...] = ()  # user text files
@@ -95,9 +117,10 @@ def _corpora(settings: EvalSettings) -> dict[str, str]:
 def _model_config(sub) -> dict:
     """num_hidden_layers / num_key_value_heads / head_dim for the KV-cache size."""
     rt = sub.runtime
-    if rt.name == "torch":
+    fmt = get_runtime(rt.name).export_format
+    if fmt is None:  # a model source in process
         return rt.model.config.to_dict()
-    if rt.name == "onnxruntime":
+    if fmt == "onnx":
         f = Path(sub.file).parent / "config.json"
         return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
     md = rt.metadata
@@ -120,7 +143,7 @@ class Evaluation:
                  progress=None, subject=None):
         from ..compress.artifact import library_versions
         from ..targets.profiles import get_profile, profile_dict
-        from ..targets.session import open_on_target
+        from .subject import open_on_target
 
         self.settings = settings.validate()
         self.progress = progress
@@ -133,9 +156,9 @@ class Evaluation:
             self.sub = open_on_target(spec, settings.runtime, settings.threads, n_ctx, self.profile)
         self.store = store
         rt = self.sub.runtime
-        self.emulated = bool(getattr(rt, "emulated", False))
+        self.emulated = rt.emulated
         versions = library_versions()
-        if getattr(rt, "target_versions", None):
+        if rt.target_versions:
             versions["target"] = rt.target_versions
         self.results = {
             "model": self.sub.label, "spec": self.sub.spec, "identity": self.sub.identity, "runtime": rt.name,
@@ -170,13 +193,14 @@ class Evaluation:
         order = [m for m in METRICS if m in self.settings.metrics]
         try:
             for metric in order:
-                getattr(self, f"_{metric}")()
+                METRICS[metric](self)
                 self._save()
         finally:
             self.results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             self._save()
         return self.results
 
+    @register_metric("perplexity")
     def _perplexity(self):
         from .perplexity import runtime_perplexity
 
@@ -202,6 +226,7 @@ class Evaluation:
                                      n_ctx=max(self.settings.context, self.settings.seqlen))
         return self._ref
 
+    @register_metric("fidelity")
     def _fidelity(self):
         from .fidelity import fidelity, identity_key
 
@@ -221,6 +246,7 @@ class Evaluation:
                 self._row(key, stats[key], "wikitext2", stats.get("kl_mean_stderr") if key == "kl_mean" else None, unit,
                           {"reference": ref.label})
 
+    @register_metric("tasks")
     def _tasks(self):
         from .fidelity import task_flips
         from .tasks import run_task, task_label
@@ -269,22 +295,23 @@ class Evaluation:
         write_json_atomic(path, [asdict(s) for s in scores])
         return scores
 
+    @register_metric("memory")
     def _memory(self):
         from .system import kv_cache_bytes, path_bytes, peak_rss_child
 
         sub, s = self.sub, self.settings
         size = path_bytes(sub.file)
         config = _model_config(sub)
-        kv_bytes_per_value = 2 if sub.runtime.name == "llama.cpp" else 4
+        kv_bytes_per_value = get_runtime(sub.runtime.name).kv_bytes_per_value
         out = {"file_bytes": size, "params": sub.params,
                "bits_per_weight": (8 * size / sub.params) if size and sub.params else None,
                "kv_cache_bytes": kv_cache_bytes(config, s.context, kv_bytes_per_value), "context": s.context}
         if s.memory_child:
-            transport = getattr(sub.runtime, "transport", None)
+            transport = sub.runtime.transport
             if transport is not None:  # measured on the target, in a fresh runner
                 probe = transport.memprobe(sub.runtime.name, sub.runtime.remote_path, sub.runtime.threads)
             else:
-                spec = str(sub.file) if sub.runtime.name != "torch" else sub.spec
+                spec = str(sub.file) if get_runtime(sub.runtime.name).runs_files else sub.spec
                 probe = peak_rss_child(spec, sub.runtime.name, sub.runtime.threads)
             out["peak_rss_bytes"] = probe["peak_rss_bytes"]
         self.results["metrics"]["memory"] = out
@@ -294,6 +321,7 @@ class Evaluation:
         if "peak_rss_bytes" in out:
             self._row("peak_rss_bytes", out["peak_rss_bytes"], "", None, "bytes")
 
+    @register_metric("latency")
     def _latency(self):
         from .system import latency
 
@@ -322,9 +350,10 @@ class Evaluation:
 
         sub, s = self.sub, self.settings
         config = _model_config(sub)
-        kv_token = kv_cache_bytes(config, 1, 2 if sub.runtime.name == "llama.cpp" else 4)
+        runtime = get_runtime(sub.runtime.name)
+        kv_token = kv_cache_bytes(config, 1, runtime.kv_bytes_per_value)
         qtype = str(sub.identity.get("qtype") or "")
-        integer = sub.runtime.name != "torch" and qtype not in ("", "f32", "f16", "fp32", "fp16", "bf16")
+        integer = runtime.runs_files and qtype not in ("", "f32", "f16", "fp32", "fp16", "bf16")
         bounds = roofline(self.profile, path_bytes(sub.file), kv_token, sub.params, s.pp + s.tg // 2, integer)
         measured = not self.emulated and bool(self.profile.memory_bandwidth_gbs)
         return set_against(bounds, lat["decode_tps"]["median"], lat["prefill_tps"]["median"], measured)

@@ -8,15 +8,15 @@ cache and run from there, so all three runtimes serve every source.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
 from ..fsutil import sha256_file
+from ..models.artifact_format import is_artifact, manifest_path, read_manifest
 from ..paths import cache_dir
-from ..runtimes import (LlamaCppRuntime, OnnxRuntime, Runtime, TorchRuntime, check_runtime_name,
-                        runtime_for_path)
+from ..runtimes import Runtime, TorchRuntime
+from ..runtimes.registry import RUNTIMES, check_runtime_name, file_runtime, get_runtime, source_runtime
 from .tokens import Encoder, HFEncoder, LlamaCppEncoder
 
 
@@ -64,7 +64,7 @@ def base_spec_from_identity(base: dict | None) -> str | None:
 
 def _artifact_base(folder: Path) -> str | None:
     try:
-        manifest = json.loads((folder / "slmedge.json").read_text(encoding="utf-8"))
+        manifest = read_manifest(folder)
     except (OSError, ValueError):
         return None
     return base_spec_from_identity(manifest.get("base_model"))
@@ -75,78 +75,99 @@ def _export_base(manifest: dict | None) -> str | None:
     if not manifest:
         return None
     src = manifest.get("source")
-    if src and Path(src, "slmedge.json").is_file():
+    if src and is_artifact(src):
         return _artifact_base(Path(src))
     return src if src and Path(src).exists() else None
 
 
-def _gguf_manifest(metadata: dict) -> dict | None:
+def _manifest(fmt: str, path: Path, **kw) -> dict | None:
+    """An export's manifest through its format's one reader (None: none, or unreadable)."""
+    from ..export.formats import get_format
+
     try:
-        return json.loads(metadata["slmedge.manifest"]) if "slmedge.manifest" in metadata else None
+        return get_format(fmt).read_manifest(path, **kw)
     except ValueError:
         return None
 
 
 def _cached_export(folder: Path, fmt: str) -> Path:
     """An export of ``folder`` in the cache (auto type: the artifact's codes where they fit)."""
-    from ..export.gguf import export_gguf
-    from ..export.onnx import export_onnx
+    from ..export.formats import get_format
 
+    export_format = get_format(fmt)
     key = _sha256_files([p for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")])[:16]
     root = cache_dir() / "exports"
     root.mkdir(parents=True, exist_ok=True)
-    if fmt == "gguf":
-        out = root / f"{key}.gguf"
-        if not out.is_file():
-            export_gguf(folder, out, "auto")
-        return out
-    out = root / f"{key}-onnx"
-    if not (out / "slmedge-export.json").is_file():
-        export_onnx(folder, out, "auto", overwrite=True)
+    out = root / export_format.output_name(f"{key}-{fmt}")
+    if not export_format.complete(out):
+        export_format.write(folder, out, "auto", overwrite=True)
     return out
+
+
+def _open_here(runtime: str, path, threads, n_ctx) -> Runtime:
+    return get_runtime(runtime).open_file(path, threads, n_ctx=n_ctx)
+
+
+def _file_format(path: Path) -> str | None:
+    """The export format of a file or folder by its name, or by a format's magic bytes."""
+    from ..export.formats import FORMATS
+
+    found = file_runtime(path) if path.exists() else None
+    if found is not None:
+        return found.export_format
+    if path.is_file():
+        with open(path, "rb") as f:
+            head = f.read(16)
+        return next((name for name, f in FORMATS.items() if f.magic and head.startswith(f.magic)), None)
+    return None
+
+
+def _format_runtime(fmt: str, runtime: str | None) -> str:
+    """``runtime`` if given, else the first registered runtime that runs files of ``fmt``."""
+    if runtime:
+        return check_runtime_name(runtime)
+    return next(n for n, s in RUNTIMES.items() if s.export_format == fmt)
 
 
 def open_subject(spec: str | None, runtime: str | None = None, threads: int | None = None, n_ctx: int = 2048,
                  device: str = "cpu", trust_remote_code: bool = False, factory=None) -> Subject:
-    """``factory(runtime, path, threads, n_ctx)``, when given, opens llama.cpp and onnxruntime files
-    (a target's runner, a GPU back end); by default they open here on the CPU."""
+    """``factory(runtime, path, threads, n_ctx)``, when given, opens model files (a transport's
+    ``open_runtime``: a target's runner, a GPU back end); by default they open here on the CPU."""
     from ..models.source import load, resolve
 
     spec = None if spec is None else str(spec)
     spec_s = spec or "smollm2-135m"
     path = Path(spec_s).expanduser()
-    implied = runtime_for_path(path) if path.exists() else "torch"
-    rt = check_runtime_name(runtime) if runtime else implied
-    if path.exists() and path.is_file() and path.suffix.lower() not in (".gguf", ".onnx"):
-        with open(path, "rb") as f:
-            if f.read(4) == b"GGUF":
-                implied = rt = runtime or "llama.cpp"
+    factory = factory or _open_here
+    fmt = _file_format(path)
+    rt = _format_runtime(fmt, runtime) if fmt else (check_runtime_name(runtime) if runtime else source_runtime().name)
+    want = get_runtime(rt)
 
     # --- files that are already in a runtime's format ----------------------------------------
-    if implied == "llama.cpp":
-        if rt == "onnxruntime":
-            raise ConfigError(f"{path} is a GGUF file: run it in llama.cpp (or torch); onnxruntime needs an ONNX export")
-        if rt == "torch":
+    if fmt is not None and want.runs_files and want.export_format != fmt:
+        raise ConfigError(f"{path} is a {fmt.upper()} export: {rt} runs {want.export_format.upper()} exports; run it "
+                          f"in {' or '.join(n for n, s in RUNTIMES.items() if s.export_format == fmt)} "
+                          "(or evaluate its source)")
+    if fmt == "gguf":
+        if not want.runs_files:
             loaded = load(str(path))
             return _torch_subject(spec_s, loaded, threads, device, None, {"kind": "gguf", "path": str(path.resolve()),
                                                                           "sha256": sha256_file(path)})
-        run = factory("llama.cpp", path, threads, n_ctx) if factory else LlamaCppRuntime(path, threads, n_ctx=n_ctx)
-        manifest = _gguf_manifest(run.metadata)
+        run = factory(rt, path, threads, n_ctx)
+        manifest = _manifest(fmt, path, metadata=run.metadata)
         base = _export_base(manifest)
         ident = {"kind": "gguf", "path": str(path.resolve()), "sha256": sha256_file(path), "label": path.name,
                  "qtype": (manifest or {}).get("qtype")}
         return Subject(spec_s, run, LlamaCppEncoder(getattr(run, "llm", None) or _vocab(path)), ident, file=path,
                        params=run.n_params, base_spec=base)
-    if implied == "onnxruntime":
-        if rt != "onnxruntime":
+    if fmt == "onnx":
+        if not want.runs_files:
             raise ConfigError(f"{path} is an ONNX export: it runs in onnxruntime (evaluate its source for {rt})")
-        from ..runtimes.ort import model_file
+        from ..backends.ort import model_file
 
-        run = factory("onnxruntime", model_file(path), threads, n_ctx) if factory else OnnxRuntime(path, threads)
+        run = factory(rt, model_file(path), threads, n_ctx)
         folder = model_file(path).parent
-        manifest = None
-        if (folder / "slmedge-export.json").is_file():
-            manifest = json.loads((folder / "slmedge-export.json").read_text(encoding="utf-8"))
+        manifest = _manifest(fmt, folder)
         encoder = _hf_encoder(folder, trust_remote_code)
         onnx_file = model_file(path)
         files = [p for p in folder.iterdir() if p.is_file() and p.name.startswith(onnx_file.name)]
@@ -158,14 +179,14 @@ def open_subject(spec: str | None, runtime: str | None = None, threads: int | No
 
     # --- model sources: torch, or exported for the other runtimes ------------------------------
     source = resolve(spec, None)
-    if rt == "torch":
+    if not want.runs_files:
         loaded = load(source, trust_remote_code=trust_remote_code)
         base = _artifact_base(source.path) if source.kind == "artifact" else None
         return _torch_subject(spec_s, loaded, threads, device, base, dict(loaded.identity))
     from ..export.api import source_folder
 
     folder = source_folder(spec)
-    exported = _cached_export(folder, "gguf" if rt == "llama.cpp" else "onnx")
+    exported = _cached_export(folder, want.export_format)
     sub = open_subject(str(exported), rt, threads, n_ctx, device, trust_remote_code, factory)
     sub.spec = spec_s
     sub.identity["exported_from"] = str(folder)
@@ -179,7 +200,7 @@ def open_subject(spec: str | None, runtime: str | None = None, threads: int | No
 
 def _vocab(path: Path):
     """llama.cpp's tokenizer of a GGUF file without its weights (the model runs elsewhere)."""
-    from ..runtimes.native import quiet_native_stderr, require_llama_cpp
+    from ..backends.llamacpp import quiet_native_stderr, require_llama_cpp
 
     with quiet_native_stderr():
         return require_llama_cpp().Llama(model_path=str(path), vocab_only=True, verbose=False)
@@ -192,8 +213,8 @@ def _torch_subject(spec, loaded, threads, device, base, identity) -> Subject:
     if loaded.hf_dir is not None:
         file = loaded.hf_dir
     ident = dict(identity)
-    if loaded.hf_dir is not None and (Path(loaded.hf_dir) / "slmedge.json").is_file():
-        ident["sha256"] = sha256_file(Path(loaded.hf_dir) / "slmedge.json")
+    if loaded.hf_dir is not None and is_artifact(loaded.hf_dir):
+        ident["sha256"] = sha256_file(manifest_path(loaded.hf_dir))
     elif loaded.hf_dir is not None and "sha256" not in ident:
         from ..models.source import weights_digest
 
@@ -224,3 +245,23 @@ def _onnx_params(path: Path) -> int | None:
         return inspect_onnx(path)["params"]
     except Exception:  # noqa: BLE001
         return None
+
+
+def open_on_target(spec, runtime: str | None, threads: int | None, n_ctx: int, profile) -> Subject:
+    """``open_subject`` where the profile says: its transport opens the runtime (in this process, on
+    a GPU, in a runner under qemu or over ssh) with the profile's threads."""
+    from ..targets.registry import transport_for
+
+    transport = transport_for(profile)
+    threads = threads or profile.threads or None
+    if runtime:
+        runtime = check_runtime_name(runtime)
+    if not transport.in_process:
+        fmt = _file_format(Path(spec)) if spec else None
+        if runtime is None:
+            runtime = _format_runtime(fmt, None) if fmt else (profile.default_runtime or profile.runtimes[0])
+        if not get_runtime(runtime).runs_files:
+            raise ConfigError(f"target '{profile.name}' runs {' or '.join(profile.runtimes)}; a {runtime} model is "
+                              f"exported for them: pass --runtime {' or --runtime '.join(profile.runtimes)}")
+    return open_subject(spec, runtime, threads, n_ctx=n_ctx, device=transport.torch_device,
+                        factory=transport.open_runtime)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..errors import GGUFImportMismatchError
-from ..runtimes.native import quiet_native_stderr, vocab_only  # noqa: F401 - re-exported
+from ..backends.llamacpp import quiet_native_stderr, vocab_only  # noqa: F401 - re-exported
 
 PROBE = (
     "The quick brown fox jumps over the lazy dog. In 1969, astronauts first walked on the Moon, "
@@ -51,7 +51,7 @@ def compare_logits(reference: np.ndarray, candidate: np.ndarray) -> dict:
 
 
 def llamacpp_logits(gguf_path, token_ids: list[int], n_threads: int | None = None) -> np.ndarray:
-    from ..runtimes.native import require_llama_cpp
+    from ..backends.llamacpp import require_llama_cpp
 
     llama_cpp = require_llama_cpp()
     with quiet_native_stderr():

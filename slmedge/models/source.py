@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from ..runtimes.native import require_llama_cpp  # noqa: F401 - re-exported
+from ..backends.llamacpp import require_llama_cpp  # noqa: F401 - re-exported
 from ..errors import ModelLoadError, ModelNotFoundError, RuntimeNotInstalledError, SlmedgeError
 from ..fsutil import atomic_directory, sha256_file, write_json_atomic
 from ..paths import cache_dir
 from .architectures import Architecture, architecture_for
+from .artifact_format import is_artifact, open_manifest
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -94,7 +95,7 @@ def resolve(spec: str | None, revision: str | None = None) -> ModelSource:
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise ModelNotFoundError(f"{path} is a directory but has no config.json: not a Hugging Face model folder")
-            kind = "artifact" if (path / "slmedge.json").is_file() else "hf_dir"
+            kind = "artifact" if is_artifact(path) else "hf_dir"
             return ModelSource(kind, str(path), path=path.resolve())
         if path.suffix.lower() == ".gguf":
             return ModelSource("gguf", str(path), path=path.resolve())
@@ -126,13 +127,11 @@ def load(
         hf_dir = gguf_to_hf_dir(source.path, verify=verify_gguf)
         identity = {"kind": "gguf", "path": str(source.path), **_read_source_file(hf_dir)}
     elif source.kind == "artifact":
-        from ..compress.artifact import Artifact
-
-        art = Artifact.open(source.path)  # checks every checksum
+        manifest = open_manifest(source.path)  # checks every checksum
         hf_dir = source.path
-        identity = {"kind": "artifact", "path": str(hf_dir), "recipe": art.manifest.get("recipe"),
-                    "base_model": art.manifest.get("base_model"),
-                    "weights_sha256": art.manifest["files"].get("model.safetensors", {}).get("sha256")}
+        identity = {"kind": "artifact", "path": str(hf_dir), "recipe": manifest.get("recipe"),
+                    "base_model": manifest.get("base_model"),
+                    "weights_sha256": manifest["files"].get("model.safetensors", {}).get("sha256")}
     elif source.kind == "hf_dir":
         hf_dir = source.path
         identity = {"kind": "hf_dir", "path": str(hf_dir), "weights_sha256": weights_digest(hf_dir)}
@@ -338,7 +337,7 @@ def _keep_bos_flag(tokenizer, gguf_path: Path) -> None:
     """Make the tokenizer add BOS exactly when the GGUF file says to (``tokenizer.ggml.
     add_bos_token``), as llama.cpp does. transformers' GGUF import adds BOS regardless (SmolLM2's
     file says not to), which would make a torch model and its own GGUF score different token ids."""
-    from ..runtimes.native import vocab_only
+    from ..backends.llamacpp import vocab_only
 
     try:
         with vocab_only(gguf_path) as llm:

@@ -19,15 +19,15 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def open_file_runtime(runtime: str, path: str, threads: int, n_ctx: int = 2048, n_gpu_layers: int = 0,
-                      providers=None):
-    from . import LlamaCppRuntime, OnnxRuntime
+def open_file_runtime(runtime: str, path: str, threads: int, n_ctx: int = 2048, gpu: bool = False,
+                      gpu_layers: int = -1):
+    """A model file opened in the registered runtime ``runtime`` in this process."""
+    from .registry import get_runtime
 
-    if runtime == "llama.cpp":
-        return LlamaCppRuntime(path, threads, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
-    if runtime == "onnxruntime":
-        return OnnxRuntime(path, threads, providers=providers)
-    raise ValueError(f"a model file runs in llama.cpp or onnxruntime, not {runtime}")
+    spec = get_runtime(runtime)
+    if not spec.runs_files:
+        raise ValueError(f"{runtime} runs model sources, not files")
+    return spec.open_file(path, threads, n_ctx=n_ctx, gpu=gpu, gpu_layers=gpu_layers)
 
 
 def probe(rt, n: int, before: int) -> dict:

@@ -12,9 +12,9 @@ import threading
 
 import numpy as np
 
-from ..errors import ConfigError, RuntimeNotInstalledError, SlmedgeError
-from . import CorruptModelError, GenerationTiming, Runtime
+from ..errors import ConfigError, CorruptModelError, RuntimeNotInstalledError, SlmedgeError
 from . import wire
+from .base import GenerationTiming, Runtime
 
 
 class TargetRuntimeError(SlmedgeError):
@@ -90,17 +90,14 @@ class RemoteRuntime(Runtime):
     """``runtime`` (llama.cpp or onnxruntime) on a target, through a runner."""
 
     def __init__(self, runner: RunnerProcess, runtime: str, path: str, threads: int | None = None,
-                 n_ctx: int = 2048, n_gpu_layers: int = 0, providers: list[str] | None = None,
-                 target: str = "", emulated: bool = False):
+                 n_ctx: int = 2048, n_gpu_layers: int = 0):
         super().__init__(threads)
         self.name = runtime
         self.runner = runner
         self.remote_path = path
-        self.target = target
-        self.emulated = emulated
         self.n_ctx = n_ctx
         info, _ = runner.request({"op": "open", "runtime": runtime, "path": path, "threads": self.threads,
-                                  "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "providers": providers})
+                                  "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers})
         self._vocab = int(info["vocab_size"])
         self.metadata = info.get("metadata") or {}
         self.n_params = info.get("n_params")

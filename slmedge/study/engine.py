@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import SlmedgeError
 from ..fsutil import disk_full
+from ..models.artifact_format import is_artifact
 from .jobs import Job, build_jobs, study_workdir
 from .spec import Study
 
@@ -102,7 +103,7 @@ def _made(kind: str, spec: dict, out) -> bool:
     """Whether a compress or export job's output is on disk, whole (its last file is written last)."""
     out = Path(out)
     if kind == "compress":
-        return (out / "slmedge.json").is_file()
+        return is_artifact(out)
     from ..export.formats import get_format
 
     return get_format(spec["format"]).complete(out)
@@ -241,6 +242,14 @@ class _RayPool:
         pass
 
 
+def _on_gpu(target: str) -> bool:
+    """Whether an evaluation on ``target`` runs on this machine's GPU (a Ray GPU request)."""
+    from ..targets.profiles import get_profile
+    from ..targets.registry import transport_class
+
+    return transport_class(get_profile(target, detect=False).transport).torch_device == "cuda"
+
+
 def run_study(study: Study, store, engine: str = "local", workers: int | None = None, address: str | None = None,
               workdir=None, data_dir: str | None = None, progress=None, discard_artifacts: bool = False) -> dict:
     """Run every job of ``study`` not yet finished in ``store``; returns counts.
@@ -305,7 +314,7 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
                     if j.kind == "export":
                         dep = j.spec["source"]
                         payload["source_path"] = done[dep]["output"] if dep in done else dep
-                    needs_gpu = j.kind == "evaluate" and j.spec["target"] == "cuda"
+                    needs_gpu = j.kind == "evaluate" and _on_gpu(j.spec["target"])
                     ss.event(study.name, j.id, "started")
                     running[pool.submit(payload, threads, data_dir, needs_gpu)] = j
                     remaining.remove(j)

@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..models.artifact_format import read_manifest
 
 FIDELITY = [("kl_mean", "mean KL", "{:.4f}"), ("kl_p99", "KL p99", "{:.3f}"), ("top1_agreement", "top-1", "{:.1%}"),
             ("rms_delta_p", "RMS Δp", "{:.2%}"), ("hidden_snr_db", "SNR dB", "{:.1f}"), ("task_flips", "task flips",
@@ -77,7 +78,7 @@ def _compression_bits(db, study, subject, labels, file_bits):
         return 16.0 if labels.get("method_name") == "none" else file_bits
     row = db.execute("SELECT output FROM study_jobs WHERE study = ? AND job_id = ?", (study, subject)).fetchone()
     try:
-        summary = json.loads((Path(row[0]) / "slmedge.json").read_text())["summary"]
+        summary = read_manifest(row[0])["summary"]
     except (TypeError, OSError, ValueError, KeyError):
         return None  # the artifact is gone: no level to plot it at
     if summary.get("bits_per_weight"):

@@ -10,14 +10,14 @@
     nsamples = 32
     seqlen = 512
 
-    [evaluate]             # EvalSettings fields
+    [evaluate]             # EvalSettings fields (less those the study sets: see EVAL_SET_BY_STUDY)
     metrics = ["perplexity", "fidelity", "tasks", "memory", "latency"]
     langs = ["en", "th"]
     tasks = ["arc_easy", "xcopa_th"]
     limit = 50
 
-    [[methods]]            # one entry per compression setting; "none" is the base model
-    method = "none"
+    [[methods]]            # one entry per compression setting; "none" is the base model; the keys
+    method = "none"        # are Recipe fields (block_size, awq_clip, skip, ...) less [calibration]'s
     [[methods]]
     label = "awq-w4g64"
     method = "awq"
@@ -35,12 +35,23 @@
 
 Validated strictly before any work starts: an unknown key, a wrong type or an impossible
 combination is an error that names the file and the line.
+
+The keys of [[methods]], [calibration] and [evaluate] and their types are not listed here: they
+are derived from the fields of ``Recipe`` (slmedge/compress/recipe.py) and ``EvalSettings``
+(slmedge/evaluate/api.py), so a setting added to either is settable here with nothing else to
+change; the values are then checked by ``Recipe.validate`` and ``EvalSettings.validate``. A
+[[methods]] ``skip`` is the whole list of patterns left alone, as in the Recipe (its default is
+``["lm_head", "*embed_tokens*"]``); ``sparsity`` is a ratio (``0.5`` or ``"0.5"``) or ``"N:M"``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,13 +59,84 @@ from ..errors import ConfigError
 
 _TOP = {"name": str, "description": str, "models": list, "seeds": list, "targets": list, "calibration": dict,
         "evaluate": dict, "methods": list, "exports": list, "workdir": str}
-_CALIB = {"dataset": str, "nsamples": int, "seqlen": int, "batch_size": int}
-_METHOD = {"label": str, "method": str, "bits": int, "group_size": int, "symmetric": bool, "sparsity": str,
-           "act_order": bool, "damp": float, "awq_grid": int, "awq_max_tokens": int, "true_sequential": bool}
 _EXPORT = {"format": str, "type": str, "label": str}
-_EVAL = {"metrics": list, "langs": list, "tasks": list, "corpora": list, "limit": int, "seqlen": int, "stride": int,
-         "ppl_windows": int, "wikitext": bool, "fidelity_windows": int, "pp": int, "tg": int, "repeats": int,
-         "context": int, "threads": int}
+
+# Recipe fields the study sets for every method at once: [calibration] key -> Recipe field.
+CALIBRATION_FIELDS = {"dataset": "calibration", "nsamples": "nsamples", "seqlen": "seqlen", "batch_size": "batch_size"}
+# Recipe fields a [[methods]] entry cannot set, and why (every other field is a [[methods]] key).
+METHOD_SET_BY_STUDY = {
+    **{f: "set for every method in [calibration]" for f in CALIBRATION_FIELDS.values()},
+    "seed": "the study's seeds = [...] (each method runs once per seed)",
+}
+# EvalSettings fields [evaluate] cannot set, and why (every other field is an [evaluate] key).
+EVAL_SET_BY_STUDY = {
+    "target": "each of the study's targets = [...]",
+    "runtime": "follows from each [[exports]] entry's format",
+    "data_dir": "slmedge study --data-dir",
+    "reference": "fidelity is measured against each artifact's own base model",
+    "reference_runtime": "follows from that reference",
+    "memory_child": "internal: the memory probe runs in a child process (only tests switch it off)",
+}
+
+
+class _Kind:
+    """What a TOML value must be to fill a dataclass field of a given type."""
+
+    def __init__(self, name: str, check):
+        self.name, self.check = name, check
+
+
+def _scalar(t: type) -> _Kind:
+    if t is bool:
+        return _Kind("bool", lambda v: isinstance(v, bool))
+    if t is int:
+        return _Kind("int", lambda v: isinstance(v, int) and not isinstance(v, bool))
+    if t is float:  # an integer is a float here (damp = 0 reads as an int)
+        return _Kind("float", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+    if t is str:
+        return _Kind("str", lambda v: isinstance(v, str))
+    from ..compress.sparsity import Sparsity
+
+    if t is Sparsity:  # its own parser says what is wrong with the value itself
+        return _Kind('ratio such as 0.5 or "N:M" text such as "2:4"',
+                     lambda v: isinstance(v, (str, int, float)) and not isinstance(v, bool))
+    raise TypeError(f"a study file has no type for a field of type {t!r}: teach slmedge/study/spec.py its kind")
+
+
+def field_kind(hint) -> _Kind:
+    """The TOML kind of a field annotated ``hint``: Optional[X] is X (TOML has no null), a
+    ``tuple[X, ...]`` is a list of X."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return field_kind(rest[0])
+    elif origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = field_kind(args[0])
+        return _Kind(f"list of {item.name}", lambda v: isinstance(v, list) and all(item.check(x) for x in v))
+    elif origin is None:
+        return _scalar(hint)
+    raise TypeError(f"a study file has no type for a field of type {hint!r}: teach slmedge/study/spec.py its kind")
+
+
+def dataclass_kinds(cls, exclude=()) -> dict[str, _Kind]:
+    """Field name -> TOML kind, for every field of the dataclass ``cls`` not in ``exclude``."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: field_kind(hints[f.name]) for f in dataclasses.fields(cls) if f.name not in exclude}
+
+
+@functools.cache
+def table_kinds() -> dict[str, dict[str, _Kind]]:
+    """The keys and kinds of [calibration], [[methods]] and [evaluate], from the dataclasses."""
+    from ..compress.recipe import Recipe
+    from ..evaluate.api import EvalSettings
+
+    recipe = dataclass_kinds(Recipe)
+    return {
+        "calibration": {key: recipe[f] for key, f in CALIBRATION_FIELDS.items()},
+        "methods": {"label": _scalar(str), **{k: v for k, v in recipe.items() if k not in METHOD_SET_BY_STUDY}},
+        "evaluate": dataclass_kinds(EvalSettings, exclude=EVAL_SET_BY_STUDY),
+    }
 
 
 class StudyError(ConfigError):
@@ -132,16 +214,17 @@ def _fail(file: Path, lines: _Lines, path: tuple, msg: str):
     raise StudyError(f"{file}" + (f", line {n}" if n else "") + f": {msg}")
 
 
-def _check_types(table: dict, types: dict, file, lines, path: tuple) -> None:
+def _check_types(table: dict, kinds: dict, file, lines, path: tuple) -> None:
+    """Every key of ``table`` known and of its kind; ``kinds`` maps a key to a Python type (the
+    file's own tables) or to a _Kind (the tables derived from the dataclasses)."""
     for key, value in table.items():
-        if key not in types:
-            _fail(file, lines, (*path, key), f"unknown key '{key}' (known: {', '.join(types)})")
-        want = types[key]
-        ok = isinstance(value, want) and not (isinstance(value, bool) and want is not bool)
-        if want is float and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if not ok:
-            _fail(file, lines, (*path, key), f"'{key}' must be a {want.__name__}, got {value!r}")
+        if key not in kinds:
+            _fail(file, lines, (*path, key), f"unknown key '{key}' (known: {', '.join(kinds)})")
+        want = kinds[key]
+        kind = want if isinstance(want, _Kind) else _scalar(want) if want in (bool, int, float, str) else \
+            _Kind(want.__name__, lambda v, t=want: isinstance(v, t))
+        if not kind.check(value):
+            _fail(file, lines, (*path, key), f"'{key}' must be a {kind.name}, got {value!r}")
 
 
 def load_study(path) -> Study:
@@ -151,6 +234,7 @@ def load_study(path) -> Study:
     from ..evaluate.api import EvalSettings
     from ..export.api import FORMATS
     from ..targets.profiles import get_profile
+    from ..targets.registry import transport_class
 
     file = Path(path)
     try:
@@ -168,10 +252,11 @@ def load_study(path) -> Study:
     seeds = data.get("seeds", [0])
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds) or not seeds:
         _fail(file, lines, ("seeds",), f"'seeds' must be a list of integers, got {seeds!r}")
+    kinds = table_kinds()
     calib = data.get("calibration", {})
-    _check_types(calib, _CALIB, file, lines, ("calibration",))
+    _check_types(calib, kinds["calibration"], file, lines, ("calibration",))
     ev = data.get("evaluate", {})
-    _check_types(ev, _EVAL, file, lines, ("evaluate",))
+    _check_types(ev, kinds["evaluate"], file, lines, ("evaluate",))
     targets = data.get("targets", ["cpu"])
     for t in targets:
         try:
@@ -184,7 +269,7 @@ def load_study(path) -> Study:
         where = ("methods", i)
         if not isinstance(m, dict):
             _fail(file, lines, where, "each [[methods]] entry must be a table")
-        _check_types(m, _METHOD, file, lines, where)
+        _check_types(m, kinds["methods"], file, lines, where)
         name = m.get("method")
         if name is None:
             _fail(file, lines, where, "'method' is required in every [[methods]] entry")
@@ -199,8 +284,8 @@ def load_study(path) -> Study:
             rec = dict(settings)
             if kind == "prune" and "bits" not in rec:
                 rec["bits"] = None
-            rec.update({"calibration": calib.get("dataset", "c4"), "nsamples": calib.get("nsamples", 128),
-                        "seqlen": calib.get("seqlen", 512), "batch_size": calib.get("batch_size", 8)})
+            defaults = {f.name: f.default for f in dataclasses.fields(Recipe)}
+            rec.update({f: calib.get(key, defaults[f]) for key, f in CALIBRATION_FIELDS.items()})
             try:
                 Recipe(method=name, **rec).validate()
             except (ConfigError, TypeError, ValueError) as exc:
@@ -234,7 +319,7 @@ def load_study(path) -> Study:
 
     for t in targets:
         prof = get_profile(t)
-        if prof.transport in ("ssh", "emulated") and all(x.format == "none" for x in exports):
+        if not transport_class(prof.transport).in_process and all(x.format == "none" for x in exports):
             _fail(file, lines, ("targets",), f"target '{t}' runs exported files only: add a [[exports]] with "
                   "format = \"gguf\" or \"onnx\"")
     try:
@@ -250,10 +335,13 @@ def load_study(path) -> Study:
 def _auto_label(method: str, s: dict) -> str:
     if method == "none":
         return "base"
+    from ..compress.recipe import Recipe
+    from ..compress.sparsity import Sparsity
+
     parts = [method]
     if s.get("bits"):
-        parts.append(f"w{s['bits']}" + (f"g{s['group_size']}" if s.get("group_size", 128) > 0 else "")
-                     + ("sym" if s.get("symmetric") else ""))
+        group = s.get("group_size", Recipe.group_size)
+        parts.append(f"w{s['bits']}" + (f"g{group}" if group > 0 else "") + ("sym" if s.get("symmetric") else ""))
     if s.get("sparsity"):
-        parts.append(f"s{s['sparsity']}")
+        parts.append(f"s{Sparsity.parse(s['sparsity']).describe()}")
     return "-".join(parts)

@@ -29,7 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from .profiles import Profile, TargetError
+from ..errors import TargetError
+from ..fsutil import write_json_atomic
+from .profiles import Profile
+from .registry import register_transport
 from .transports import Check, Transport, runner_bundle
 
 PYTHON = "python3.11"
@@ -69,19 +72,26 @@ def _qemu(root: Path) -> str | None:
     return str(local) if local.is_file() else None
 
 
+@register_transport("emulated")
 class EmulatedTransport(Transport):
+    """The runner under qemu. ``manifest``: the environment's record when it is not (yet) the one
+    in ``env.json`` (setup checks the runner before it writes that file)."""
+
     emulated = True
 
-    def __init__(self, profile: Profile, root: Path | None = None):
+    def __init__(self, profile: Profile, root: Path | None = None, manifest: dict | None = None):
         super().__init__(profile)
         self.root = root or env_root()
         self.timeout = 6 * 3600.0
+        self._manifest = manifest
 
     @property
     def where(self) -> str:
         return f"target '{self.profile.name}' (aarch64 under qemu, emulated)"
 
     def manifest(self) -> dict:
+        if self._manifest is not None:
+            return self._manifest
         f = self.root / "env.json"
         if not f.is_file():
             raise TargetError(f"{self.where} is not set up: run `slmedge targets setup {self.profile.name}` "
@@ -102,6 +112,12 @@ class EmulatedTransport(Transport):
         return {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "LANG": "C.UTF-8", "PYTHONNOUSERSITE": "1",
                 "OMP_NUM_THREADS": str(max(1, self.profile.threads or 1)),
                 "LD_LIBRARY_PATH": str(_site(self.root) / "llama_cpp" / "lib")}
+
+    def is_set_up(self) -> bool:
+        return up_to_date()
+
+    def setup(self, log=print, rebuild: bool = False, llama_cpp: bool = True) -> dict:
+        return setup_arm64(self.profile, log=log, rebuild=rebuild, llama_cpp=llama_cpp)
 
     def start_hint(self):
         return f"slmedge targets setup {self.profile.name}"
@@ -241,7 +257,7 @@ def _cross_compilers() -> tuple[str, str] | None:
 
 
 def _setup_llama_cpp(root: Path, log) -> str:
-    from ..runtimes.native import require_llama_cpp
+    from ..backends.llamacpp import require_llama_cpp
 
     host = require_llama_cpp()
     version = host.__version__
@@ -299,14 +315,30 @@ def _wanted() -> dict:
     return out
 
 
+RUNTIMES = ("onnxruntime", "llama.cpp")
+
+
+def check_problems(versions, runtimes=RUNTIMES) -> list[str]:
+    """What is wrong with the runner's ``versions`` answer for an environment that should have
+    ``runtimes``: nothing (an empty list) when it reports aarch64 and a version of each."""
+    if not isinstance(versions, dict):
+        return ["the runner gave no versions"]
+    out = []
+    if versions.get("machine") != "aarch64":
+        out.append(f"the runner reports machine {versions.get('machine')!r}, not 'aarch64'")
+    out += [f"no {rt} version (not importable there)" for rt in runtimes if not versions.get(rt)]
+    return out
+
+
 def up_to_date() -> bool:
-    """The environment exists, was built by this setup for the runtimes installed here, and its
-    runner answers."""
+    """The environment exists, was built by this setup for the runtimes installed here (all of
+    them: llama.cpp included), and its runner passed the check at the end of the build."""
     f = env_root() / "env.json"
     try:
-        return json.loads(f.read_text()).get("wanted") == _wanted()
+        record = json.loads(f.read_text())
     except (OSError, ValueError):
         return False
+    return isinstance(record, dict) and record.get("wanted") == _wanted() and not check_problems(record.get("versions"))
 
 
 def setup_arm64(profile: Profile, log=print, rebuild: bool = False, llama_cpp: bool = True) -> dict:
@@ -326,13 +358,25 @@ def setup_arm64(profile: Profile, log=print, rebuild: bool = False, llama_cpp: b
     log("precompiling the standard library and packages (host Python 3.11: same bytecode)")
     subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(root / "sysroot" / "usr" / "lib" / PYTHON),
                     str(_site(root))], capture_output=True)
+    runtimes = [rt for rt in RUNTIMES if llama_cpp or rt != "llama.cpp"]
     manifest = {"built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "qemu": qemu,
                 "qemu_cpu": profile.qemu_cpu or "neoverse-n1", "arm_arch": ARM_ARCH, "built": built,
-                "wanted": _wanted() if llama_cpp else {},
-                "seconds": round(time.time() - t0, 1)}
-    (root / "env.json").write_text(json.dumps(manifest, indent=2))
-    t = EmulatedTransport(profile, root)
+                "runtimes": runtimes, "wanted": _wanted() if llama_cpp else {}}
+    # The record is written only once the runner has passed: a failed check leaves none, so
+    # `--if-needed` builds again and the tests that need the environment do not find one.
     log("checking the runner under emulation")
-    manifest["versions"] = t.versions()
-    (root / "env.json").write_text(json.dumps(manifest, indent=2))
+    try:
+        versions = EmulatedTransport(profile, root, manifest=manifest).versions()
+    except TargetError as exc:
+        raise SetupError(f"the arm64 runner failed its check under emulation: {exc}") from exc
+    except (ValueError, IndexError) as exc:  # an answer that is not the runner's JSON line
+        raise SetupError("the arm64 runner failed its check under emulation: its `versions` answer is not JSON") \
+            from exc
+    problems = check_problems(versions, runtimes)
+    if problems:
+        raise SetupError(f"the arm64 runner failed its check under emulation: {'; '.join(problems)} "
+                         f"(run `slmedge targets setup {profile.name} --rebuild`)")
+    manifest["versions"] = versions
+    manifest["seconds"] = round(time.time() - t0, 1)
+    write_json_atomic(root / "env.json", manifest)
     return manifest

@@ -24,11 +24,11 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from ..errors import ConfigError, SlmedgeError
+from ..errors import ConfigError, TargetError  # noqa: F401 - TargetError is imported from here too
+from ..runtimes.registry import runtime_names
+from .registry import transport_class, transport_names
 
 TARGETS_ENV = "SLMEDGE_TARGETS"
-TRANSPORTS = ("local", "emulated", "ssh", "cuda")
-RUNTIME_NAMES = ("torch", "onnxruntime", "llama.cpp")
 
 
 class UnknownTargetError(ConfigError):
@@ -60,7 +60,7 @@ class Profile:
     memory_bandwidth_gbs: float = 0.0
     peak_fp32_gflops: float = 0.0
     peak_int8_gops: float = 0.0
-    runtimes: list[str] = field(default_factory=lambda: list(RUNTIME_NAMES))
+    runtimes: list[str] = field(default_factory=runtime_names)
     default_runtime: str = ""
     detect: bool = False  # cpu: cores, RAM, bandwidth and compute measured on this machine
     qemu_cpu: str = ""  # emulated: the CPU model qemu emulates
@@ -72,7 +72,7 @@ class Profile:
 
     @property
     def emulated(self) -> bool:
-        return self.transport == "emulated"
+        return transport_class(self.transport).emulated
 
 
 _TYPES = {"name": str, "transport": str, "description": str, "arch": str, "cores": int, "threads": int,
@@ -102,22 +102,17 @@ def parse_profile(path: Path) -> Profile:
     _check(data, _TYPES, where)
     data.setdefault("name", Path(path).stem)
     if "transport" not in data:
-        raise ConfigError(f"{where}: 'transport' is required ({' | '.join(TRANSPORTS)})")
-    if data["transport"] not in TRANSPORTS:
-        raise ConfigError(f"{where}: transport '{data['transport']}' is not one of {', '.join(TRANSPORTS)}")
-    bad = [r for r in data.get("runtimes", []) if r not in RUNTIME_NAMES]
+        raise ConfigError(f"{where}: 'transport' is required ({' | '.join(transport_names())})")
+    if data["transport"] not in transport_names():
+        raise ConfigError(f"{where}: transport '{data['transport']}' is not one of {', '.join(transport_names())}")
+    bad = [r for r in data.get("runtimes", []) if r not in runtime_names()]
     if bad:
-        raise ConfigError(f"{where}: unknown runtime '{bad[0]}' (known: {', '.join(RUNTIME_NAMES)})")
+        raise ConfigError(f"{where}: unknown runtime '{bad[0]}' (known: {', '.join(runtime_names())})")
     ssh = data.pop("ssh", None)
     if ssh is not None:
         _check(ssh, _SSH_TYPES, f"{where} [ssh]")
         data["ssh"] = SshSettings(**ssh)
-    if data["transport"] == "ssh" and data.get("ssh") is None:
-        raise ConfigError(f"{where}: an ssh target needs an [ssh] table with host = ...")
-    if data["transport"] in ("ssh", "emulated") and "torch" in data.get("runtimes", []):
-        raise ConfigError(f"{where}: the runner on {data['transport']} targets runs llama.cpp and onnxruntime, not torch")
-    if data["transport"] in ("ssh", "emulated"):
-        data.setdefault("runtimes", ["llama.cpp", "onnxruntime"])
+    transport_class(data["transport"]).check_profile(data, where)
     for key in ("cores", "threads"):
         if data.get(key, 0) < 0:
             raise ConfigError(f"{where}: '{key}' must not be negative")
@@ -129,10 +124,10 @@ def parse_profile(path: Path) -> Profile:
 
 def profile_dirs() -> list[Path]:
     """Folders searched for profiles, lowest priority first."""
-    repo = Path(__file__).resolve().parents[2] / "targets"
+    shipped = Path(__file__).resolve().parent / "shipped"  # the repository's targets/ links here
     user = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "slmedge" / "targets"
     extra = [Path(p).expanduser() for p in os.environ.get(TARGETS_ENV, "").split(os.pathsep) if p]
-    return [repo, user, *extra]
+    return [shipped, user, *extra]
 
 
 def all_profiles() -> dict[str, Profile]:
@@ -145,7 +140,8 @@ def all_profiles() -> dict[str, Profile]:
     return found
 
 
-def get_profile(name: str) -> Profile:
+def get_profile(name: str, detect: bool = True) -> Profile:
+    """The profile ``name`` (or a .toml file); ``detect``: fill a detecting profile from this machine."""
     p = Path(name)
     if p.suffix == ".toml" and p.is_file():
         prof = parse_profile(p)
@@ -155,10 +151,8 @@ def get_profile(name: str) -> Profile:
             raise UnknownTargetError(f"unknown target '{name}'; known: {', '.join(sorted(profiles)) or 'none'} "
                                      f"(profiles are read from {', '.join(str(d) for d in profile_dirs())})")
         prof = profiles[name]
-    if prof.detect:
-        from .roofline import detect_cuda, detect_this_machine
-
-        detect_cuda(prof) if prof.transport == "cuda" else detect_this_machine(prof)
+    if prof.detect and detect:
+        transport_class(prof.transport)(prof).detect()
     return prof
 
 
@@ -168,6 +162,3 @@ def profile_dict(prof: Profile) -> dict:
         out["ssh"] = dict(prof.ssh.__dict__)
     return out
 
-
-class TargetError(SlmedgeError):
-    """A target cannot run this evaluation (unreachable, missing runtime, too little RAM...)."""

@@ -30,12 +30,16 @@ def _versions() -> dict:
         out["numpy"] = numpy.__version__
     except ImportError:
         out["numpy"] = None
-    for name, module in (("onnxruntime", "onnxruntime"), ("llama.cpp", "llama_cpp")):
+    from slmedge.runtimes.registry import RUNTIMES
+
+    for spec in RUNTIMES.values():
+        if not spec.runs_files or not spec.module:
+            continue
         try:
-            mod = __import__(module)
-            out[name] = getattr(mod, "__version__", "?")
+            mod = __import__(spec.module)
+            out[spec.name] = getattr(mod, "__version__", "?")
         except Exception:  # noqa: BLE001 - missing, or broken on this target: both mean "not available"
-            out[name] = None
+            out[spec.name] = None
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -59,11 +63,10 @@ def _sha256(path: str) -> str | None:
 def _open(req: dict):
     from slmedge.runtimes.memprobe import open_file_runtime
 
+    layers = int(req.get("n_gpu_layers", 0))
     rt = open_file_runtime(req["runtime"], req["path"], req.get("threads"), n_ctx=int(req.get("n_ctx", 2048)),
-                           n_gpu_layers=int(req.get("n_gpu_layers", 0)), providers=req.get("providers"))
-    if rt.name == "llama.cpp":
-        return rt, {"vocab_size": rt.vocab_size, "metadata": rt.metadata, "n_params": rt.n_params}
-    return rt, {"vocab_size": rt.vocab_size, "providers": rt.decoder.session.get_providers()}
+                           gpu=layers != 0, gpu_layers=layers)
+    return rt, rt.runner_info()
 
 
 def serve(inp, out) -> None:
@@ -119,8 +122,9 @@ def main(argv=None) -> int:
 
         before = peak_rss()
         n = int(argv[4])
-        rt = open_file_runtime(argv[1], argv[2], int(argv[3]), n_ctx=max(n + 8, 64),
-                               n_gpu_layers=int(argv[5]) if len(argv) > 5 else 0)
+        layers = int(argv[5]) if len(argv) > 5 else 0
+        rt = open_file_runtime(argv[1], argv[2], int(argv[3]), n_ctx=max(n + 8, 64), gpu=layers != 0,
+                               gpu_layers=layers)
         print(json.dumps(probe(rt, n, before)))
         return 0
     if argv and argv[0] == "versions":

@@ -1,6 +1,9 @@
-"""How a runner reaches a target: a child process here, an aarch64 Python under qemu user mode,
-or a device's Python over ssh. Each transport starts ``slmedge.targets.runner`` (shipped as one
-zip file), places model files where the runner can read them, and checks what the target has.
+"""How an evaluation reaches a target, one registered transport per kind of profile: this machine
+in process (``local``, ``cuda``), or a runner elsewhere: a child process here, an aarch64 Python
+under qemu user mode (``emulation``), a device's Python over ssh. A runner transport starts
+``slmedge.targets.runner`` (shipped as one zip file), places model files where the runner can
+read them, and checks what the target has; every transport opens a runtime there
+(``open_runtime``).
 
 No shell string is built from user input: local and emulated runners are started from argument
 lists; over ssh the remote command is fixed words plus paths that must match a strict pattern
@@ -18,13 +21,25 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..errors import ConfigError, RuntimeNotInstalledError
-from ..runtimes.remote import RunnerProcess, TargetRuntimeError
-from .profiles import Profile, TargetError
+from ..errors import ConfigError, RuntimeNotInstalledError, TargetError
+from ..runtimes.registry import get_runtime, runtime_names
+from ..runtimes.remote import RemoteRuntime, RunnerProcess, TargetRuntimeError
+from .registry import register_transport, transport_for  # noqa: F401 - transport_for: imported from here too
+from .session import check_fits
 
-_BUNDLE = ["__init__.py", "errors.py", "runtimes/__init__.py", "runtimes/ort.py", "runtimes/native.py",
-           "runtimes/wire.py", "runtimes/memprobe.py", "targets/__init__.py", "targets/runner.py"]
+if TYPE_CHECKING:
+    from ..runtimes.base import Runtime
+    from .profiles import Profile
+
+# What the runner needs on a target: the runtimes (numpy and one engine, no torch) and the wire
+# protocol. The targets package's own __init__ registers host-side transports: an empty one there.
+_BUNDLE = ["__init__.py", "errors.py", "backends/__init__.py", "backends/llamacpp.py", "backends/ort.py",
+           "runtimes/__init__.py", "runtimes/base.py", "runtimes/registry.py", "runtimes/torch_runtime.py",
+           "runtimes/onnx_runtime.py", "runtimes/llamacpp_runtime.py", "runtimes/wire.py", "runtimes/memprobe.py",
+           "targets/runner.py"]
+_STUBS = {"slmedge/targets/__init__.py": b'"""The runner side of slmedge.targets."""\n'}
 _MAIN = "import sys\nfrom slmedge.targets.runner import main\nsys.exit(main())\n"
 
 
@@ -33,7 +48,7 @@ def runner_bundle() -> Path:
     from ..paths import cache_dir
 
     pkg = Path(__file__).resolve().parents[1]
-    blobs = {f"slmedge/{rel}": (pkg / rel).read_bytes() for rel in _BUNDLE}
+    blobs = {f"slmedge/{rel}": (pkg / rel).read_bytes() for rel in _BUNDLE} | _STUBS
     digest = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(blobs.items())) + _MAIN.encode()).hexdigest()
     out = cache_dir() / "targets" / f"runner-{digest[:16]}.pyz"
     if not out.is_file():
@@ -56,10 +71,60 @@ class Check:
 
 
 class Transport:
-    emulated = False
+    """A way to reach a target. The base class is a runner transport: runtimes open in a runner
+    process that ``runner_argv`` starts; in-process transports override ``open_runtime``."""
+
+    kind = ""  # set by @register_transport
+    emulated = False  # its timings are not the device's
+    in_process = False  # runtimes (torch too) run in this process
+    torch_device = "cpu"
 
     def __init__(self, profile: Profile):
         self.profile = profile
+        self._versions: dict | None = None
+
+    @classmethod
+    def check_profile(cls, data: dict, where: str) -> None:
+        """Refuse a profile of this transport that cannot work (raises ConfigError); fill defaults."""
+        torch = [r for r in data.get("runtimes", []) if not get_runtime(r).runs_files]
+        if not cls.in_process and torch:
+            raise ConfigError(f"{where}: the runner on {cls.kind} targets runs model files "
+                              f"({', '.join(n for n in runtime_names() if get_runtime(n).runs_files)}), not {torch[0]}")
+        if not cls.in_process:
+            data.setdefault("runtimes", [n for n in runtime_names() if get_runtime(n).runs_files])
+
+    def detect(self) -> None:
+        """Fill a ``detect = true`` profile from the machine it describes (cores, RAM, bandwidth)."""
+
+    def is_set_up(self) -> bool:
+        """Whether the environment ``setup`` builds is there and current."""
+        raise self._no_setup()
+
+    def setup(self, log=print, rebuild: bool = False, llama_cpp: bool = True) -> dict:
+        """Build what this target needs once (an emulated userland); most transports need nothing."""
+        raise self._no_setup()
+
+    def _no_setup(self) -> ConfigError:
+        return ConfigError(f"target '{self.profile.name}' ({self.kind}) needs no setup; `slmedge targets check "
+                           f"{self.profile.name}` says what it has")
+
+    @property
+    def target_versions(self) -> dict:
+        """What the runner reports about the target (asked once)."""
+        if self._versions is None:
+            self._versions = self.versions()
+        return self._versions
+
+    def open_runtime(self, runtime: str, path, threads: int | None, n_ctx: int) -> "Runtime":
+        """``runtime`` with the model file ``path`` opened on the target: checked against the
+        target's RAM before anything is copied, then placed there and served by a runner."""
+        if runtime not in self.profile.runtimes:
+            raise ConfigError(f"target '{self.profile.name}' offers {', '.join(self.profile.runtimes)}, not {runtime}")
+        check_fits(self.profile, Path(path))
+        self.require_runtime(runtime, self.target_versions)
+        remote = self.put(Path(path))
+        rt = RemoteRuntime(self.start(), runtime, remote, threads or self.profile.threads or None, n_ctx)
+        return rt.placed(self, self.target_versions)
 
     @property
     def where(self) -> str:
@@ -119,7 +184,7 @@ class Transport:
             return [Check("runner starts", False, str(exc), self.start_hint())]
         out.append(Check("runner starts", True, f"Python {v.get('python')} on {v.get('machine')}, numpy {v.get('numpy')}"))
         for rt in self.profile.runtimes:
-            if rt == "torch":
+            if not get_runtime(rt).runs_files:
                 continue
             have = v.get(rt)
             out.append(Check(f"runtime {rt}", bool(have), f"version {have}" if have else "not importable",
@@ -130,8 +195,7 @@ class Transport:
         return ""
 
     def runtime_hint(self, runtime: str) -> str:
-        pkg = {"llama.cpp": "llama-cpp-python", "onnxruntime": "onnxruntime"}[runtime]
-        return f"pip install {pkg} (in the Python the target runs)"
+        return f"pip install {get_runtime(runtime).package} (in the Python the target runs)"
 
     def require_runtime(self, runtime: str, versions: dict) -> None:
         if not versions.get(runtime):
@@ -140,7 +204,7 @@ class Transport:
 
 class LocalChild(Transport):
     """This machine, the runner in a child process (the reference the other transports are
-    compared with)."""
+    compared with; ``targets check cpu`` asks it what this machine's Python has)."""
 
     def runner_argv(self, args):
         return [sys.executable, str(runner_bundle()), *args]
@@ -151,19 +215,42 @@ class LocalChild(Transport):
         return env
 
 
+@register_transport("local")
+class LocalTransport(LocalChild):
+    """This machine, every runtime in this process."""
+
+    in_process = True
+
+    def detect(self) -> None:
+        from .roofline import detect_this_machine
+
+        detect_this_machine(self.profile)
+
+    def open_runtime(self, runtime, path, threads, n_ctx):
+        return get_runtime(runtime).open_file(path, threads, n_ctx=n_ctx)
+
+
 # --- ssh --------------------------------------------------------------------------------------
 
-_SAFE = re.compile(r"^[A-Za-z0-9_./~+-][A-Za-z0-9_./~+@:-]*$")
+# A leading "-" would read as an option to ssh, scp or the remote command: never allowed.
+_SAFE = re.compile(r"^[A-Za-z0-9_./~+][A-Za-z0-9_./~+@:-]*$")
 
 
 def _safe(value: str, what: str) -> str:
     if not _SAFE.match(value or "") or ".." in value.split("/"):
         raise ConfigError(f"{what} {value!r} has characters slmedge does not pass to a remote command "
-                          "(letters, digits and _ . / ~ + - only)")
+                          "(letters, digits and _ . / ~ + - only, not starting with -)")
     return value
 
 
+@register_transport("ssh")
 class SshTransport(Transport):
+    @classmethod
+    def check_profile(cls, data, where):
+        if data.get("ssh") is None:
+            raise ConfigError(f"{where}: an ssh target needs an [ssh] table with host = ...")
+        super().check_profile(data, where)
+
     def __init__(self, profile: Profile):
         super().__init__(profile)
         s = profile.ssh
@@ -240,7 +327,7 @@ class SshTransport(Transport):
         self._run(["mkdir", "-p", remote.rsplit("/", 1)[0]])
         tmp = f"{remote}.part"
         dst = f"{self.dest}:{tmp}"
-        scp = ["scp", "-q", *self._opts(), "-P", str(self.s.port), str(local), dst]
+        scp = ["scp", "-q", *self._opts(), "-P", str(self.s.port), "--", str(local), dst]
         try:
             proc = subprocess.run(scp, capture_output=True, timeout=self.s.command_timeout_s)
         except subprocess.TimeoutExpired as exc:
@@ -277,8 +364,20 @@ class SshTransport(Transport):
 # --- cuda -------------------------------------------------------------------------------------
 
 
-class CudaTransport(Transport):
-    """The GPU back ends of this machine's runtimes, in process."""
+@register_transport("cuda")
+class CudaTransport(LocalTransport):
+    """The GPU back ends of this machine's runtimes, in process: torch on CUDA, onnxruntime's
+    CUDA provider, llama.cpp with the profile's layers offloaded."""
+
+    torch_device = "cuda"
+
+    def detect(self) -> None:
+        from .roofline import detect_cuda
+
+        detect_cuda(self.profile)
+
+    def open_runtime(self, runtime, path, threads, n_ctx):
+        return get_runtime(runtime).open_file(path, threads, n_ctx=n_ctx, gpu=True, gpu_layers=self.profile.gpu_layers)
 
     def checks(self) -> list[Check]:
         out = []
@@ -299,7 +398,7 @@ class CudaTransport(Transport):
         except ImportError:
             out.append(Check("onnxruntime CUDA provider", False, "onnxruntime missing", "pip install onnxruntime-gpu"))
         try:
-            from ..runtimes.native import require_llama_cpp
+            from ..backends.llamacpp import require_llama_cpp
 
             lc = require_llama_cpp()
             ok = bool(lc.llama_supports_gpu_offload())
@@ -310,15 +409,3 @@ class CudaTransport(Transport):
             out.append(Check("llama.cpp GPU offload", False, "llama-cpp-python missing",
                              "CMAKE_ARGS=-DGGML_CUDA=on pip install llama-cpp-python"))
         return out
-
-
-def transport_for(profile: Profile) -> Transport:
-    if profile.transport == "ssh":
-        return SshTransport(profile)
-    if profile.transport == "emulated":
-        from .emulation import EmulatedTransport
-
-        return EmulatedTransport(profile)
-    if profile.transport == "cuda":
-        return CudaTransport(profile)
-    return LocalChild(profile)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..blocks import run_block
 from ..hooks import linear_inputs, module_calls
 from ..quant import QuantSpec, fake_quantize, find_params, quantize, dequantize
 from .base import LinearResult, Method, register_method, rtn_result
@@ -79,7 +80,7 @@ def clip_search(w: torch.Tensor, x: torch.Tensor, spec: QuantSpec, n_grid: int =
 class AWQ(Method):
     kind = "quantize"
     summary = "AWQ: activation-aware scaling and clipping, folded into the preceding norm or linear"
-    needs_calibration = True  # a block-level method: no per-linear statistics
+    block_level = True  # scales are searched per block and folded into the op before: no per-linear statistics
 
     def compress_block(self, layer, prefix, linears, inputs, layer_index, arch):
         """Search and apply scales and clips for one block; returns ({name: result}, extras)."""
@@ -125,8 +126,6 @@ class AWQ(Method):
         named = {f"{prefix}.{rel}": layer.get_submodule(rel) for m in mappings for rel in m.linears}
         named.update(linears)
         inspect_mods = {m.inspect: layer.get_submodule(m.inspect) for m in mappings}
-        from ..engine import run_block
-
         with linear_inputs(named, on_linear), module_calls(inspect_mods, on_call):
             for hidden in inputs.hidden:
                 run_block(layer, hidden, inputs.kwargs(layer_index, hidden))

@@ -62,10 +62,13 @@ class InputNormStats:
 
 
 class Method:
-    """A per-linear method: optional statistics of the layer's inputs, then compress one weight.
+    """A compression method. The engine owns the hooks, the block order and the device.
 
-    The engine owns the hooks, the block order and the device; a method only says which
-    statistics it needs (``stats_class``, None for data-free methods) and how to compress.
+    A per-linear method says which statistics of a layer's inputs it needs (``stats_class``,
+    None for data-free methods) and how to compress one weight (``compress``). A block-level
+    method (``block_level = True``, AWQ) instead compresses a whole decoder block at once from
+    its calibration inputs (``compress_block``); it always reads calibration data and cannot
+    compress ``lm_head`` (no block around it).
     """
 
     name: str = ""
@@ -73,19 +76,24 @@ class Method:
     stats_class: type | None = None
     summary: str = ""
     true_sequential: bool = True  # the reference implementation's default (see Recipe)
+    block_level: bool = False  # compresses whole blocks (compress_block), not one linear at a time
 
     def __init__(self, recipe):
         self.recipe = recipe
         self.spec = recipe.quant_spec()
-        self.sparsity = recipe.sparsity_spec()
+        self.sparsity = recipe.sparsity  # a Sparsity, parsed when the recipe was made, or None
 
     @property
     def needs_calibration(self) -> bool:
-        """Whether the method reads calibration data (block-level methods override this)."""
-        return self.stats_class is not None
+        """Whether the method reads calibration data: a block-level method always does."""
+        return self.block_level or self.stats_class is not None
 
     def compress(self, name: str, weight: torch.Tensor, stats) -> LinearResult:
         raise NotImplementedError
+
+    def compress_block(self, layer, prefix: str, linears: dict, inputs, layer_index: int, arch) -> tuple[dict, dict]:
+        """A block-level method's work on one block: ``({linear name: LinearResult}, extras)``."""
+        raise NotImplementedError(f"{self.name} is not a block-level method")
 
 
 def rtn_result(weight: torch.Tensor, spec: QuantSpec, mask: torch.Tensor | None = None, clip=None) -> LinearResult:

@@ -14,7 +14,7 @@ def prune_by_score(score: torch.Tensor, sparsity, group: str = "row") -> torch.T
     """
     rows, cols = score.shape
     drop = torch.zeros_like(score, dtype=torch.bool)
-    if sparsity.structured:
+    if sparsity.is_nm:
         n, m = sparsity.n, sparsity.m
         if cols % m:
             raise ValueError(f"{n}:{m} sparsity needs the input width ({cols}) to be a multiple of {m}")

@@ -27,7 +27,7 @@ def sparsegpt_prune(
     W = W.clone().float()
     rows, columns = W.shape
     Hinv = prepare_hinv(H, W, percdamp)
-    prunen, prunem = (sparsity.n, sparsity.m) if sparsity.structured else (0, 0)
+    prunen, prunem = (sparsity.n, sparsity.m) if sparsity.is_nm else (0, 0)
     if prunem and columns % prunem:
         raise ValueError(f"{prunen}:{prunem} sparsity needs the input width ({columns}) to be a multiple of {prunem}")
     if prunem and blocksize % prunem:

@@ -8,7 +8,7 @@ import functools
 import os
 import sys
 
-from ..errors import RuntimeNotInstalledError
+from ..errors import CorruptModelError, RuntimeNotInstalledError
 
 
 def require_llama_cpp():
@@ -60,3 +60,13 @@ def vocab_only(gguf_path):
         yield llm
     finally:
         llm.close()
+
+
+def gguf_metadata(path) -> dict:
+    """A GGUF file's key/values through llama.cpp's reader (vocabulary only: fast, unlike a full
+    Python parse of the tokenizer arrays)."""
+    try:
+        with vocab_only(path) as llm:
+            return dict(llm.metadata)
+    except ValueError as exc:
+        raise CorruptModelError(f"llama.cpp cannot read {path}: not a valid GGUF model") from exc

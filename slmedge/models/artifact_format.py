@@ -1,0 +1,81 @@
+"""The artifact directory's file names and manifest readers: the one place that says what they are.
+
+An slmedge artifact is a model source like any other (``models.source`` loads it), and it is
+what compress writes (``compress.artifact``). The names and the readers live here, in the
+lowest layer that needs them, so that loading a model never imports compression code;
+``slmedge.compress.artifact`` re-exports every name below, and that is where callers above the
+models layer import them from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import ArtifactError
+from ..fsutil import sha256_file
+
+MANIFEST = "slmedge.json"  # written last: a directory without it is incomplete
+QUANT_FILE = "quantization.safetensors"
+FORMAT = "slmedge-artifact"
+FORMAT_VERSION = 1
+
+
+def manifest_path(path) -> Path:
+    """Where the artifact at ``path`` keeps its manifest (whether or not it is there)."""
+    return Path(path) / MANIFEST
+
+
+def is_artifact(path) -> bool:
+    """Whether ``path`` is a complete artifact directory (its manifest is written last)."""
+    return manifest_path(path).is_file()
+
+
+def read_manifest(path) -> dict:
+    """The parsed manifest of the artifact at ``path``, unchecked.
+
+    Raises OSError when it cannot be read and ValueError when it is not JSON (callers that only
+    peek at a manifest catch those); ``open_manifest`` is the checked reader. Manifests written by
+    earlier versions read as today's: their recipe's empty ``extra`` table (a setting that was
+    never read, since removed) is dropped, a non-empty one is kept so that building a Recipe from
+    it fails loudly.
+    """
+    manifest = json.loads(manifest_path(path).read_text(encoding="utf-8"))
+    recipe = manifest.get("recipe") if isinstance(manifest, dict) else None
+    if isinstance(recipe, dict) and recipe.get("extra", None) == {}:
+        del recipe["extra"]
+    return manifest
+
+
+def open_manifest(path, verify: bool = True) -> dict:
+    """The manifest of the artifact at ``path``, checked: a complete slmedge artifact and (with
+    ``verify``) every file it lists matching its sha256. Raises ArtifactError saying what is wrong."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ArtifactError(f"{path} is not an artifact directory")
+    mpath = manifest_path(path)
+    if not mpath.is_file():
+        raise ArtifactError(f"{path} is incomplete: it has no {MANIFEST} (was the run that wrote it interrupted?)")
+    try:
+        manifest = read_manifest(path)
+    except ValueError as exc:
+        raise ArtifactError(f"{mpath} is not valid JSON: the artifact is corrupt") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{mpath} is not an slmedge artifact manifest")
+    if verify:
+        verify_files(path, manifest)
+    return manifest
+
+
+def verify_files(path, manifest: dict) -> None:
+    """Check every file listed in the manifest against its sha256."""
+    path = Path(path)
+    files = manifest.get("files")
+    if not files:
+        raise ArtifactError(f"{manifest_path(path)} lists no files and checksums")
+    for name, info in files.items():
+        f = path / name
+        if not f.is_file():
+            raise ArtifactError(f"artifact {path} is missing {name}")
+        if sha256_file(f) != info.get("sha256"):
+            raise ArtifactError(f"checksum mismatch for {name} in {path}: the file was modified or is corrupt")

@@ -1,0 +1,147 @@
+"""The interface every runtime implements (torch, onnxruntime, llama.cpp, a runner on a target).
+
+Every metric talks to a :class:`Runtime`: ``logits(ids)`` for one sequence from scratch (rolling
+perplexity windows, continuation scoring, fidelity), ``timed_generate`` for latency, with a
+thread count. Token ids come from one tokenizer chosen per source (``slmedge.evaluate.subject``),
+so a GGUF, an ONNX export and a torch model of the same weights are scored on the same ids.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+
+@dataclass
+class GenerationTiming:
+    prompt_tokens: int
+    generated: int
+    ttft_s: float  # time to first token: the prefill plus picking the first token
+    prefill_tps: float
+    decode_tps: float
+
+
+@dataclass
+class RuntimeInfo:
+    runtime: str
+    path: str
+    threads: int
+    versions: dict = field(default_factory=dict)
+
+
+class Runtime(ABC):
+    """A loaded model in one runtime."""
+
+    name: str = ""  # set by @register_runtime
+    torch_lse = False  # token scores' log-sum-exp in torch (the torch runtime) or numpy
+    # Where it runs, when not in this process on the CPU: set by the transport that opened it.
+    target: str = ""
+    emulated: bool = False
+    transport = None  # the Transport whose runner serves it (remote runtimes), else None
+    target_versions: dict | None = None  # what the target's runner reported
+    remote_path: str | None = None  # the model file's path on the target
+
+    def __init__(self, threads: int | None = None):
+        self.threads = int(threads or os.cpu_count() or 1)
+
+    @classmethod
+    def open_file(cls, path, threads: int | None = None, n_ctx: int = 2048, gpu: bool = False,
+                  gpu_layers: int = -1) -> "Runtime":
+        """A model file opened in this runtime here (runtimes that run files override it)."""
+        raise NotImplementedError(f"{cls.name} runs model sources, not files")
+
+    def placed(self, transport, versions: dict | None) -> "Runtime":
+        """Mark this runtime as served by ``transport`` (its target and the versions found there)."""
+        self.transport = transport
+        self.target = transport.profile.name
+        self.emulated = transport.emulated
+        self.target_versions = versions
+        return self
+
+    @abstractmethod
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """(T, V) float32 logits of one sequence, no cache carried over from earlier calls."""
+
+    @abstractmethod
+    def _prefill(self, ids: list[int]):
+        """Start a sequence; returns (last logits (V,), state)."""
+
+    @abstractmethod
+    def _step(self, token: int, state, position: int):
+        """Feed one token; returns (logits (V,), state)."""
+
+    def continuation_logprobs(self, context: list[int], continuations: list[list[int]]) -> list[np.ndarray]:
+        """Log-probabilities of each continuation's tokens after ``context`` (one array per continuation)."""
+        return [lp for lp, _ in self.continuation_scores(context, continuations)]
+
+    def continuation_scores(self, context: list[int], continuations: list[list[int]]) -> list[tuple[np.ndarray, bool]]:
+        """Per continuation: its tokens' log-probabilities and whether greedy decoding would produce it."""
+        out = []
+        for cont in continuations:
+            seq = list(context) + list(cont)
+            logits = self.logits(seq[:-1])
+            out.append(_token_scores(logits[len(context) - 1 :], cont, self.torch_lse))
+        return out
+
+    def score_groups(self, groups: list[tuple[list[int], list[list[int]]]]) -> list[list[tuple[np.ndarray, bool]]]:
+        """``continuation_scores`` for many (context, continuations) groups at once; runtimes that
+        can batch across contexts (torch) override it."""
+        return [self.continuation_scores(ctx, conts) for ctx, conts in groups]
+
+    def hidden_states(self, ids: list[int]) -> np.ndarray | None:
+        """(T, H) final hidden states where the runtime exposes them (torch), else None."""
+        return None
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    def timed_generate(self, prompt: list[int], n_gen: int) -> GenerationTiming:
+        """Greedy decoding of ``n_gen`` tokens after ``prompt``, timed (llama-bench's pp/tg split)."""
+        t0 = time.perf_counter()
+        last, state = self._prefill(list(prompt))
+        token = int(np.argmax(last))
+        t1 = time.perf_counter()
+        for i in range(n_gen - 1):
+            last, state = self._step(token, state, len(prompt) + i)
+            token = int(np.argmax(last))
+        t2 = time.perf_counter()
+        decode_n = max(n_gen - 1, 0)
+        return GenerationTiming(len(prompt), n_gen, t1 - t0, len(prompt) / max(t1 - t0, 1e-9),
+                                decode_n / max(t2 - t1, 1e-9) if decode_n else 0.0)
+
+    def info(self) -> dict:
+        return {"runtime": self.name, "threads": self.threads}
+
+    def runner_info(self) -> dict:
+        """What a target's runner reports about the opened model (runtimes add their own facts)."""
+        return {"vocab_size": self.vocab_size}
+
+    def close(self) -> None:
+        pass
+
+
+def _logsumexp_rows(x: np.ndarray, in_torch: bool = False) -> np.ndarray:
+    """Each row's log-sum-exp in float64. The torch runtime computes it in torch (threaded: on
+    Gemma 3's 262k vocabulary numpy's takes ~3 s per 512-token window on 2 cores, a third of the
+    model's own time); the other runtimes keep numpy's, so a target without torch gives the same
+    bits as a local run of the same runtime."""
+    if in_torch:
+        import torch
+
+        return torch.logsumexp(torch.from_numpy(np.ascontiguousarray(x)).double(), -1).numpy()
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))[:, 0]
+
+
+def _token_scores(logits: np.ndarray, targets, in_torch: bool = False) -> tuple[np.ndarray, bool]:
+    """(log softmax(logits)[i, targets[i]] per row in float64, every target the row's argmax)."""
+    t = np.asarray(targets)
+    picked = logits[np.arange(len(t)), t].astype(np.float64)
+    return picked - _logsumexp_rows(logits, in_torch), bool((logits.argmax(-1) == t).all())
