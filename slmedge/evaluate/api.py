@@ -72,6 +72,11 @@ class EvalSettings:
             raise ConfigError(f"stride must be in 1..{self.seqlen} (the window length), got {self.stride}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be positive, got {self.limit}")
+        for name, value, least in (("--threads", self.threads, 1), ("--context", self.context, 2),
+                                   ("--ppl-windows", self.ppl_windows, 1), ("--pp", self.pp, 1), ("--tg", self.tg, 1),
+                                   ("--repeats", self.repeats, 1), ("--fidelity-windows", self.fidelity_windows, 1)):
+            if value is not None and value < least:
+                raise ConfigError(f"{name} must be at least {least}, got {value}")
         data_files(self.data_dir)  # a --data-dir that is not a data folder fails here, before any work
         if "perplexity" in self.metrics or "tasks" in self.metrics:
             known = set(ntrex_languages(self.data_dir)) if self.langs else set()

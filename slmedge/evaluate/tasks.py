@@ -84,7 +84,9 @@ def load_task(name: str, data=None, limit: int | None = None) -> list[Request]:
 
 def _request(doc: dict, f: Path, line_no: int) -> Request:
     try:
-        gold = int(doc["gold"])
+        gold = doc["gold"]
+        if isinstance(gold, bool) or not isinstance(gold, int):
+            raise DataError(f"{f}:{line_no}: 'gold' must be an integer index, got {gold!r}")
         if "choices" in doc:
             query, choices = str(doc["query"]), [str(c) for c in doc["choices"]]
             if not 0 <= gold < len(choices):

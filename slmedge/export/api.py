@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..errors import ModelNotFoundError
+from ..errors import ConfigError, ModelNotFoundError
 from .formats import FORMATS, get_format  # noqa: F401 - FORMATS: the registered formats by name
 
 
@@ -42,6 +42,10 @@ def export(spec: str | None, fmt: str, qtype: str = "auto", output=None, *, exac
            keep_fp32_head: bool = False, keep_f16_uncoded: bool = False, revision: str | None = None) -> dict:
     """Write ``spec`` in the registered format ``fmt``; returns the writer's report."""
     target = get_format(fmt)
+    if not 0 <= accuracy_level <= 4:  # MatMulNBits: 0 (unset), 1 fp32, 2 fp16, 3 bf16, 4 int8 activations
+        raise ConfigError(f"--accuracy-level must be 0..4, got {accuracy_level}")
+    if n_threads is not None and n_threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {n_threads}")
     folder = source_folder(spec, revision)
     out = Path(output) if output is not None else default_output(folder, target.name, qtype)
     target.check_output(out)

@@ -113,7 +113,7 @@ def parse_profile(path: Path) -> Profile:
         _check(ssh, _SSH_TYPES, f"{where} [ssh]")
         data["ssh"] = SshSettings(**ssh)
     transport_class(data["transport"]).check_profile(data, where)
-    for key in ("cores", "threads"):
+    for key in ("cores", "threads", "ram_gb", "memory_bandwidth_gbs", "peak_fp32_gflops", "peak_int8_gops"):
         if data.get(key, 0) < 0:
             raise ConfigError(f"{where}: '{key}' must not be negative")
     prof = Profile(**data, file=str(path))

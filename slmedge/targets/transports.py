@@ -33,12 +33,11 @@ if TYPE_CHECKING:
     from ..runtimes.base import Runtime
     from .profiles import Profile
 
-# What the runner needs on a target: the runtimes (numpy and one engine, no torch) and the wire
-# protocol. The targets package's own __init__ registers host-side transports: an empty one there.
-_BUNDLE = ["__init__.py", "errors.py", "backends/__init__.py", "backends/llamacpp.py", "backends/ort.py",
-           "runtimes/__init__.py", "runtimes/base.py", "runtimes/registry.py", "runtimes/torch_runtime.py",
-           "runtimes/onnx_runtime.py", "runtimes/llamacpp_runtime.py", "runtimes/wire.py", "runtimes/memprobe.py",
-           "targets/runner.py"]
+# What the runner needs on a target: every runtime and engine binding (numpy and one engine, no
+# torch) and the wire protocol. The targets package's own __init__ registers host-side
+# transports: an empty one there.
+_BUNDLE = ["__init__.py", "errors.py", "targets/runner.py"]
+_BUNDLE_PACKAGES = ["backends", "runtimes"]
 _STUBS = {"slmedge/targets/__init__.py": b'"""The runner side of slmedge.targets."""\n'}
 _MAIN = "import sys\nfrom slmedge.targets.runner import main\nsys.exit(main())\n"
 
@@ -48,7 +47,8 @@ def runner_bundle() -> Path:
     from ..paths import cache_dir
 
     pkg = Path(__file__).resolve().parents[1]
-    blobs = {f"slmedge/{rel}": (pkg / rel).read_bytes() for rel in _BUNDLE} | _STUBS
+    files = _BUNDLE + [p.relative_to(pkg).as_posix() for d in _BUNDLE_PACKAGES for p in sorted((pkg / d).glob("*.py"))]
+    blobs = {f"slmedge/{rel}": (pkg / rel).read_bytes() for rel in files} | _STUBS
     digest = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(blobs.items())) + _MAIN.encode()).hexdigest()
     out = cache_dir() / "targets" / f"runner-{digest[:16]}.pyz"
     if not out.is_file():
