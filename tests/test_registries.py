@@ -17,13 +17,13 @@ runner = CliRunner()
 
 
 def test_each_registry_refuses_a_duplicate_name():
-    with pytest.raises(ValueError, match="runtime 'torch' is registered twice"):
+    with pytest.raises(ValueError, match="runtime 'torch' registered twice"):
         register_runtime("torch")(type("Again", (Runtime,), {}))
-    with pytest.raises(ValueError, match="runtime 'ort' is registered twice"):  # an alias counts too
+    with pytest.raises(ValueError, match="runtime 'ort' registered twice"):  # an alias counts too
         register_runtime("other", aliases=("ort",))(type("Again", (Runtime,), {}))
-    with pytest.raises(ValueError, match="transport 'ssh' is registered twice"):
+    with pytest.raises(ValueError, match="transport 'ssh' registered twice"):
         register_transport("ssh")(type("Again", (LocalTransport,), {}))
-    with pytest.raises(ValueError, match="metric 'perplexity' is registered twice"):
+    with pytest.raises(ValueError, match="metric 'perplexity' registered twice"):
         register_metric("perplexity")(lambda ev: None)
     assert list(RUNTIMES) == ["torch", "onnxruntime", "llama.cpp"]
     assert set(TRANSPORTS) == {"local", "emulated", "ssh", "cuda"}

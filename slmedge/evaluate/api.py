@@ -5,18 +5,18 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
 from pathlib import Path
 
 from ..errors import ConfigError, DataError
 from ..fsutil import write_json_atomic
 from ..data.files import data_files
+from ..registry import Registry
 from ..runtimes.registry import get_runtime
 from .corpora import load_corpus, ntrex_languages
 
 # The metrics an evaluation can run, in the order they run: name -> function of the Evaluation.
 # The built-in ones are Evaluation's methods below; a plug-in registers a function of its own.
-METRICS: dict[str, Callable[["Evaluation"], None]] = {}
+METRICS: Registry = Registry("metric")  # name -> fn(evaluation)
 BUILTIN_METRICS = ("perplexity", "fidelity", "tasks", "memory", "latency")
 
 
@@ -25,16 +25,13 @@ def register_metric(name: str):
     It records its numbers in ``evaluation.results["metrics"][name]`` and rows with ``_row``."""
 
     def wrap(fn):
-        if name in METRICS:
-            raise ValueError(f"metric '{name}' is registered twice ({fn.__qualname__})")
-        METRICS[name] = fn
-        return fn
+        return METRICS.add(name, fn, fn.__qualname__)
 
     return wrap
 
 
 def unregister_metric(name: str) -> None:
-    METRICS.pop(name, None)
+    METRICS.remove(name)
 DEFAULT_LANGS = ("en", "ar", "hi", "zh", "th", "de", "es")  # the seed study's seven
 
 

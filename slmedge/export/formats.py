@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from ..errors import ConfigError
+from ..registry import Registry
 from .errors import ExportError
 
 
@@ -85,16 +86,14 @@ class ExportFormat:
         return {k: options[k] for k in self.options if k in options}
 
 
-FORMATS: dict[str, ExportFormat] = {}
+FORMATS: Registry = Registry("export format")  # name -> ExportFormat
 
 
 def register_format(name: str, **facts) -> Callable[[Callable[..., dict]], Callable[..., dict]]:
     """Decorator: register a writer function as the export format ``name`` (a duplicate name is refused)."""
 
     def wrap(write: Callable[..., dict]) -> Callable[..., dict]:
-        if name in FORMATS:
-            raise ValueError(f"export format '{name}' registered twice")
-        FORMATS[name] = ExportFormat(name=name, write=write, **facts)
+        FORMATS.add(name, ExportFormat(name=name, write=write, **facts), write.__qualname__)
         return write
 
     return wrap
@@ -102,7 +101,7 @@ def register_format(name: str, **facts) -> Callable[[Callable[..., dict]], Calla
 
 def unregister_format(name: str) -> None:
     """Remove a registration (for formats registered by tests or plug-ins)."""
-    FORMATS.pop(name, None)
+    FORMATS.remove(name)
 
 
 def format_names() -> list[str]:

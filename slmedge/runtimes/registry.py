@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import ConfigError
+from ..registry import Registry
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class RuntimeSpec:
         return self.cls.open_file(path, threads, n_ctx=n_ctx, gpu=gpu, gpu_layers=gpu_layers)
 
 
-RUNTIMES: dict[str, RuntimeSpec] = {}
+RUNTIMES: Registry = Registry("runtime")  # name -> RuntimeSpec
 
 
 def register_runtime(name: str, **facts):
@@ -50,10 +51,10 @@ def register_runtime(name: str, **facts):
 
     def wrap(cls):
         taken = {a for s in RUNTIMES.values() for a in (s.name, *s.aliases)}
-        clash = {name, *facts.get("aliases", ())} & taken
-        if clash:
-            raise ValueError(f"runtime '{sorted(clash)[0]}' is registered twice ({cls.__qualname__})")
-        RUNTIMES[name] = RuntimeSpec(name=name, cls=cls, **facts)
+        for alias in facts.get("aliases", ()):  # an alias may not shadow another runtime's name
+            if alias in taken:
+                raise ValueError(f"runtime '{alias}' registered twice ({cls.__qualname__})")
+        RUNTIMES.add(name, RuntimeSpec(name=name, cls=cls, **facts), cls.__qualname__, taken)
         cls.name = name
         return cls
 
@@ -62,7 +63,7 @@ def register_runtime(name: str, **facts):
 
 def unregister_runtime(name: str) -> None:
     """Remove a registration (for plug-ins registered by tests)."""
-    RUNTIMES.pop(name, None)
+    RUNTIMES.remove(name)
 
 
 def runtime_names() -> list[str]:

@@ -11,17 +11,16 @@ names. The built-in transports register when ``slmedge.targets`` is imported.
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..registry import Registry
 
-TRANSPORTS: dict[str, type] = {}
+TRANSPORTS: Registry = Registry("transport")  # name -> Transport subclass
 
 
 def register_transport(name: str):
     """Class decorator: register a Transport subclass under ``name`` (a duplicate name is refused)."""
 
     def wrap(cls):
-        if name in TRANSPORTS:
-            raise ValueError(f"transport '{name}' is registered twice ({cls.__qualname__})")
-        TRANSPORTS[name] = cls
+        TRANSPORTS.add(name, cls, cls.__qualname__)
         cls.kind = name
         return cls
 
@@ -30,7 +29,7 @@ def register_transport(name: str):
 
 def unregister_transport(name: str) -> None:
     """Remove a registration (for plug-ins registered by tests)."""
-    TRANSPORTS.pop(name, None)
+    TRANSPORTS.remove(name)
 
 
 def transport_names() -> list[str]:
