@@ -80,13 +80,47 @@ def disk_full(exc: BaseException | None) -> bool:
     return False
 
 
-def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
-    """Refuse, before any work, an output directory that holds something (unless overwrite)."""
+def foreign_entries(path: Path, manifest: str | None) -> list[str]:
+    """What the directory ``path`` holds that slmedge did not write there: every entry its
+    ``manifest`` (slmedge's own, listing ``files``) does not name; all of them without one."""
+    entries = sorted(p.name for p in path.iterdir())
+    try:
+        listed = set(json.loads((path / manifest).read_text(encoding="utf-8"))["files"]) if manifest else None
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = None
+    if listed is None:
+        return entries
+    return [n for n in entries if n != manifest and n not in listed]
+
+
+def _related(a: Path, b: Path) -> bool:
+    a, b = a.resolve(), b.resolve()
+    return a == b or a in b.parents or b in a.parents
+
+
+def refuse_replacing(path: Path, overwrite: bool, manifest: str | None, inputs=()) -> None:
+    """The checks before ``path`` (a directory or a file) may be written: never an input of the same
+    command (nor a folder inside one or holding one); a folder that holds something only with
+    ``overwrite``, and only when everything in it is what slmedge wrote there (``manifest``)."""
+    for src in inputs:
+        if src is not None and Path(src).exists() and _related(path, Path(src)):
+            raise OutputExistsError(f"output {path} is (or holds, or is inside) the input {src}; choose another output")
+    if path.is_dir() and any(path.iterdir()):
+        if not overwrite:
+            raise OutputExistsError(f"output directory {path} is not empty; pass --overwrite to replace it")
+        foreign = foreign_entries(path, manifest)
+        if manifest is not None and foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise OutputExistsError(f"output directory {path} holds what slmedge did not write there ({shown}); "
+                                    "--overwrite only replaces slmedge's own outputs: choose another output")
+
+
+def check_output_dir(path: str | os.PathLike, overwrite: bool, manifest: str | None = None, inputs=()) -> Path:
+    """Refuse, before any work, an output directory that may not be replaced (``refuse_replacing``)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise OutputExistsError(f"output {path} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
-        raise OutputExistsError(f"output directory {path} is not empty; pass --overwrite to replace it")
+    refuse_replacing(path, overwrite, manifest, inputs)
     parent = path.resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
     if not os.access(parent, os.W_OK):
@@ -116,8 +150,10 @@ def _remove_stale(parent: Path, name: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(dest: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(dest: str | os.PathLike, overwrite: bool = False, manifest: str | None = None) -> Iterator[Path]:
     """Yield an empty temporary directory that becomes ``dest`` only if the block succeeds.
+    With ``manifest``, an existing ``dest`` is replaced only if everything in it is what slmedge
+    wrote there (that manifest lists it).
 
     On any exception (KeyboardInterrupt included) the temporary directory is removed and
     ``dest`` is left exactly as it was. A run killed outright leaves only a hidden
@@ -133,8 +169,7 @@ def atomic_directory(dest: str | os.PathLike, overwrite: bool = False) -> Iterat
     try:
         yield tmp
         if dest.exists():
-            if dest.is_dir() and any(dest.iterdir()) and not overwrite:
-                raise OutputExistsError(f"output directory {dest} is not empty; pass --overwrite to replace it")
+            refuse_replacing(dest, overwrite, manifest)
             old = parent / f"{_TMP_MARK}{os.getpid()}-old-{dest.name}"
             os.replace(dest, old) if dest.is_dir() else dest.unlink()
             os.replace(tmp, dest)

@@ -94,14 +94,47 @@ def test_impossible_settings(args, words, gptq_artifact, tmp_path):
 
 def test_existing_output_needs_overwrite(gptq_artifact, tmp_path):
     out = tmp_path / "m.gguf"
-    out.write_bytes(b"keep me")
+    r = runner.invoke(app, ["export", str(gptq_artifact), "--no-verify", "--type", "f32", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    first = out.read_bytes()
     r = runner.invoke(app, ["export", str(gptq_artifact), "--no-verify", "-o", str(out)])
-    one_line_error(r, "exists")
-    assert out.read_bytes() == b"keep me"
+    one_line_error(r, "exists", "--overwrite")
+    assert out.read_bytes() == first
     r = runner.invoke(app, ["export", str(gptq_artifact), "--no-verify", "--overwrite", "-o", str(out)])
     assert r.exit_code == 0, r.output
     assert "skipped (--no-verify)" in r.output
-    assert out.read_bytes()[:4] == b"GGUF"
+    assert out.read_bytes()[:4] == b"GGUF" and out.read_bytes() != first
+
+
+def test_overwrite_never_replaces_what_slmedge_did_not_write(gptq_artifact, tiny_models, calib_file, tmp_path):
+    # A file that is not slmedge's GGUF is kept, --overwrite or not.
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"keep me")
+    r = runner.invoke(app, ["export", str(gptq_artifact), "--no-verify", "--overwrite", "-o", str(out)])
+    one_line_error(r, "not a GGUF file slmedge wrote")
+    assert out.read_bytes() == b"keep me"
+    # A folder holding a file slmedge did not write is not replaced by an ONNX export or a compress...
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    r = runner.invoke(app, ["export", str(gptq_artifact), "--format", "onnx", "--overwrite", "-o", str(folder)])
+    one_line_error(r, "notes.txt", "did not write")
+    r = runner.invoke(app, ["compress", str(tiny_models("llama")), "--method", "rtn", "--overwrite", "-o", str(folder)])
+    one_line_error(r, "notes.txt", "did not write")
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    # ...nor an artifact with a file added by hand, and never the input of the same command.
+    art = tmp_path / "art"
+    assert runner.invoke(app, ["compress", str(tiny_models("llama")), "--method", "rtn", "-o", str(art)]).exit_code == 0
+    (art / "extra.bin").write_bytes(b"x")
+    r = runner.invoke(app, ["compress", str(tiny_models("llama")), "--method", "rtn", "--overwrite", "-o", str(art)])
+    one_line_error(r, "extra.bin")
+    assert (art / "extra.bin").is_file()
+    (art / "extra.bin").unlink()
+    r = runner.invoke(app, ["compress", str(tiny_models("llama")), "--method", "rtn", "--overwrite", "-o", str(art)])
+    assert r.exit_code == 0, r.output  # an artifact slmedge wrote is replaced
+    r = runner.invoke(app, ["compress", str(art), "--method", "rtn", "--overwrite", "-o", str(art)])
+    one_line_error(r, "is (or holds, or is inside) the input")
+    assert (art / "slmedge.json").is_file()
 
 
 def test_inspect_refuses_what_it_cannot_read(tmp_path):

@@ -12,7 +12,7 @@ from ..data.calibration import load_calibration
 from ..errors import ConfigError
 from ..fsutil import check_output_dir
 from ..models.source import LoadedModel, load
-from .artifact import write_artifact
+from .artifact import MANIFEST, write_artifact
 from .engine import CompressionResult, compress_model, is_skipped, resolve_device
 from .methods import get_method
 from .recipe import Recipe
@@ -104,7 +104,7 @@ def compress(
     dev = resolve_device(device)
     if write:
         output = Path(output) if output is not None else default_output(model or "smollm2-135m", recipe)
-        check_output_dir(output, overwrite)
+        check_output_dir(output, overwrite, MANIFEST, inputs=[model])
     started = time.perf_counter()
     loaded = load(model, revision=revision, trust_remote_code=trust_remote_code)
     load_s = time.perf_counter() - started

@@ -78,7 +78,7 @@ def quant_tensors(layers: dict[str, LinearResult], extras: dict[str, torch.Tenso
 def write_artifact(dest, model, tokenizer, layers, extras, manifest: dict, overwrite: bool = False) -> Path:
     """Write the whole directory under a temporary name, manifest last, then rename it into place."""
     started = time.perf_counter()
-    with atomic_directory(dest, overwrite=overwrite) as tmp:
+    with atomic_directory(dest, overwrite=overwrite, manifest=MANIFEST) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -147,6 +147,14 @@ def _report_rows(report: dict) -> list[tuple[str, str]]:
             ("tokenizer", f"{report['tokenizer']['model']} / pre {report['tokenizer'].get('pre')}")]
 
 
+def _ours(path: Path) -> bool:
+    """A GGUF file slmedge wrote: it carries slmedge's manifest."""
+    try:
+        return read_gguf_manifest(path) is not None
+    except Exception:  # noqa: BLE001 - not a GGUF file at all, or a damaged one: not ours
+        return False
+
+
 @register_format("gguf", label="GGUF", single_file=True, suffix=".gguf", complete=lambda out: Path(out).is_file(),
                  read_manifest=read_gguf_manifest, types=tuple(QTYPES), tolerances=TOLERANCES,
                  options=("keep_f16_uncoded",), error=GGUFExportError, report_rows=_report_rows,
@@ -168,10 +176,15 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
     started = time.perf_counter()
     key = get_format("gguf").check_type(qtype)
     out = Path(out_path)
-    if out.exists() and not overwrite:
-        raise OutputExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
     if out.exists() and not out.is_file():
-        raise OutputExistsError(f"{out} exists and is not a file")
+        raise OutputExistsError(f"{out} is a directory: a GGUF export is one file; give a path ending in .gguf")
+    if out.exists() and not overwrite:
+        raise OutputExistsError(f"{out} exists; pass --overwrite to replace it")
+    if out.exists() and not _ours(out):
+        raise OutputExistsError(f"{out} is not a GGUF file slmedge wrote (no slmedge.manifest in it); --overwrite only "
+                                "replaces slmedge's own outputs: choose another output")
+    if Path(source).exists() and Path(source).resolve() == out.resolve():
+        raise OutputExistsError(f"output {out} is the input; choose another output")
     out.parent.mkdir(parents=True, exist_ok=True)
     src = _open_source(source)
     key = _auto_qtype(src.layers) if key == "auto" else key

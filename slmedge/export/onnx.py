@@ -382,7 +382,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
     key = get_format("onnx").check_type(otype)
     if block_size < 16 or block_size & (block_size - 1):
         raise ONNXExportError(f"block size must be a power of two >= 16, got {block_size}")
-    check_output_dir(out_dir, overwrite)  # before any work
+    check_output_dir(out_dir, overwrite, EXPORT_MANIFEST, inputs=[source])  # before any work
     src = open_export_source(source)
     supported = onnx_architectures()
     if src.model_type not in supported:
@@ -399,7 +399,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
         notes.append("pruned weights are written dense with their zeros; onnxruntime gains no speed from "
                      "unstructured sparsity")
     report_layers: dict[str, dict] = {}
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+    with atomic_directory(out_dir, overwrite=overwrite, manifest=EXPORT_MANIFEST) as tmp:
         stage = tmp / ".optimum"
         _optimum_export(src.path, stage, fp16=(key == "fp16"))
         model = onnx.load(str(stage / "model.onnx"), load_external_data=True)
