@@ -78,15 +78,19 @@ def test_awq_and_gptq_on_smollm2_keep_perplexity_close(default_model, tmp_path):
     text = load_corpus("wikitext2")
     base = perplexity(default_model.model, default_model.tokenizer, text, seqlen=512, max_windows=2)
     assert 15 < base.perplexity < 60
+    # The calibrated methods must beat plain rounding on the same grid, not only stay near the base.
+    rtn = compress(None, Recipe(method="rtn", bits=4, group_size=128), tmp_path / "rtn", device="cpu")
+    rtn_ppl = perplexity(rtn.loaded.model, rtn.loaded.tokenizer, text, seqlen=512, max_windows=2).perplexity
     for method in ("awq", "gptq"):
-        recipe = Recipe(method=method, bits=4, group_size=128, nsamples=8, seqlen=256, awq_grid=5)
+        recipe = Recipe(method=method, bits=4, group_size=128, nsamples=16, seqlen=512, awq_grid=10)
         outcome = compress(None, recipe, tmp_path / method, device="cpu")
         art = Artifact.open(tmp_path / method)
         assert art.manifest["summary"]["compressed_linears"] == 30 * 7
         # group 128 on 576 columns: a ragged last group of 64, handled, not refused
         assert art.manifest["layers"]["model.layers.0.self_attn.q_proj"]["group_size"] == 128
         ppl = perplexity(outcome.loaded.model, outcome.loaded.tokenizer, text, seqlen=512, max_windows=2)
-        assert math.isfinite(ppl.perplexity) and ppl.perplexity < base.perplexity * 1.35, (method, ppl, base)
+        assert math.isfinite(ppl.perplexity) and ppl.perplexity < base.perplexity * 1.5, (method, ppl, base)
+        assert ppl.perplexity < rtn_ppl, (method, ppl.perplexity, "RTN", rtn_ppl)
 
 
 def test_main_job_runs_with_no_model_argument(tmp_path):
