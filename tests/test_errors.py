@@ -90,9 +90,15 @@ def test_non_empty_output_needs_overwrite(tiny_models, tmp_path):
     result = invoke(tiny_models("llama"), "--method", "rtn", "-g", "32", "-o", out)
     assert result.exit_code != 0 and "--overwrite" in result.output
     assert (out / "keep.txt").read_text() == "precious" and len(os.listdir(out)) == 1
+    # --overwrite replaces an artifact slmedge wrote, never a folder holding someone's file.
+    result = invoke(tiny_models("llama"), "--method", "rtn", "-g", "32", "-o", out, "--overwrite")
+    assert result.exit_code != 0 and "keep.txt" in result.output
+    assert (out / "keep.txt").read_text() == "precious" and len(os.listdir(out)) == 1
+    (out / "keep.txt").unlink()
+    assert invoke(tiny_models("llama"), "--method", "rtn", "-g", "32", "-o", out).exit_code == 0
     result = invoke(tiny_models("llama"), "--method", "rtn", "-g", "32", "-o", out, "--overwrite")
     assert result.exit_code == 0, result.output
-    assert (out / "slmedge.json").is_file() and not (out / "keep.txt").exists()
+    assert (out / "slmedge.json").is_file()
 
 
 def test_interrupted_run_leaves_nothing_that_looks_complete(tiny_models, calib_file, tmp_path, monkeypatch):
