@@ -95,7 +95,7 @@ class EmulatedTransport(Transport):
         f = self.root / "env.json"
         if not f.is_file():
             raise TargetError(f"{self.where} is not set up: run `slmedge targets setup {self.profile.name}` "
-                              f"(builds an aarch64 Python and runtimes into {self.root}, ~10 min once)")
+                              f"(builds an aarch64 Python and runtimes into {self.root}, a few minutes, once)")
         return json.loads(f.read_text(encoding="utf-8"))
 
     def runner_argv(self, args):
