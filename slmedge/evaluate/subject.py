@@ -16,6 +16,7 @@ from ..fsutil import sha256_file
 from ..models.artifact_format import is_artifact, manifest_path, read_manifest
 from ..paths import cache_dir
 from ..runtimes import Runtime, TorchRuntime
+from ..runtimes.memprobe import open_file_runtime
 from ..runtimes.registry import RUNTIMES, check_runtime_name, file_runtime, get_runtime, source_runtime
 from .tokens import Encoder, HFEncoder, LlamaCppEncoder
 
@@ -104,10 +105,6 @@ def _cached_export(folder: Path, fmt: str) -> Path:
     return out
 
 
-def _open_here(runtime: str, path, threads, n_ctx) -> Runtime:
-    return get_runtime(runtime).open_file(path, threads, n_ctx=n_ctx)
-
-
 def _file_format(path: Path) -> str | None:
     """The export format of a file or folder by its name, or by a format's magic bytes."""
     from ..export.formats import FORMATS
@@ -138,7 +135,7 @@ def open_subject(spec: str | None, runtime: str | None = None, threads: int | No
     spec = None if spec is None else str(spec)
     spec_s = spec or "smollm2-135m"
     path = Path(spec_s).expanduser()
-    factory = factory or _open_here
+    factory = factory or open_file_runtime
     fmt = _file_format(path)
     rt = _format_runtime(fmt, runtime) if fmt else (check_runtime_name(runtime) if runtime else source_runtime().name)
     want = get_runtime(rt)

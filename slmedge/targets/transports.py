@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, RuntimeNotInstalledError, TargetError
+from ..runtimes.memprobe import open_file_runtime
 from ..runtimes.registry import get_runtime, runtime_names
 from ..runtimes.remote import RemoteRuntime, RunnerProcess, TargetRuntimeError
 from .registry import register_transport, transport_for  # noqa: F401 - transport_for: imported from here too
@@ -227,7 +228,7 @@ class LocalTransport(LocalChild):
         detect_this_machine(self.profile)
 
     def open_runtime(self, runtime, path, threads, n_ctx):
-        return get_runtime(runtime).open_file(path, threads, n_ctx=n_ctx)
+        return open_file_runtime(runtime, path, threads, n_ctx=n_ctx)
 
 
 # --- ssh --------------------------------------------------------------------------------------
@@ -377,7 +378,7 @@ class CudaTransport(LocalTransport):
         detect_cuda(self.profile)
 
     def open_runtime(self, runtime, path, threads, n_ctx):
-        return get_runtime(runtime).open_file(path, threads, n_ctx=n_ctx, gpu=True, gpu_layers=self.profile.gpu_layers)
+        return open_file_runtime(runtime, path, threads, n_ctx=n_ctx, gpu=True, gpu_layers=self.profile.gpu_layers)
 
     def checks(self) -> list[Check]:
         out = []
