@@ -163,8 +163,13 @@ def test_a_small_grid_gives_identical_results_on_both_engines(local_store, tmp_p
 def test_a_killed_study_resumes_with_every_job_done_once(tmp_path, tiny_models):
     f = _study(tmp_path, tiny_models("llama"), name="killme")
     db = tmp_path / "k.sqlite"
+    from slmedge.study.inputs import SOURCE_DIGEST_ENV, slmedge_digest
+
+    # The resume below runs in this process: the child identifies jobs by the same slmedge source
+    # (an edit of the working tree since this process started would otherwise give other job ids).
+    env = {**os.environ, SOURCE_DIGEST_ENV: slmedge_digest()}
     proc = subprocess.Popen([sys.executable, "-c", "from slmedge.cli import main; main()", "study", str(f),
-                             "--results-db", str(db)], env=dict(os.environ), start_new_session=True,
+                             "--results-db", str(db)], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     done_at_kill = 0
     deadline = time.time() + 600

@@ -44,7 +44,7 @@ def study_command(
     with errors_to_exit():
         study = load_study(study_file)
         wd = study_workdir(study, workdir)
-        jobs = build_jobs(study, wd)
+        jobs = build_jobs(study, wd, str(data_dir) if data_dir else None)  # every input found and hashed
         kinds = {k: sum(j.kind == k for j in jobs) for k in ("compress", "export", "evaluate")}
         console.print(f"study {study.name}: {len(jobs)} jobs ({kinds['compress']} compress, {kinds['export']} export, "
                       f"{kinds['evaluate']} evaluate), workdir {wd}")

@@ -106,7 +106,7 @@ def _made(kind: str, spec: dict, out) -> bool:
         return is_artifact(out)
     from ..export.formats import get_format
 
-    return get_format(spec["format"]).complete(out)
+    return get_format(spec["format"]).reusable(out)  # whole, and unchanged since it was written
 
 
 def _missing_outputs(jobs: list[Job], done: dict[str, dict]) -> list[Job]:
@@ -252,7 +252,10 @@ def _on_gpu(target: str) -> bool:
 
 def run_study(study: Study, store, engine: str = "local", workers: int | None = None, address: str | None = None,
               workdir=None, data_dir: str | None = None, progress=None, discard_artifacts: bool = False) -> dict:
-    """Run every job of ``study`` not yet finished in ``store``; returns counts.
+    """Run every job of ``study`` not yet finished in ``store``; returns counts (``ran_by_kind``: the
+    jobs run, per kind). A job is identified by its settings and its inputs' content: one whose
+    model, data, target profile or versions changed since it finished is a new job and runs; its
+    old result stays in the store, out of the grid.
 
     ``discard_artifacts``: delete each compressed model and export once every job of the grid
     that needs it has finished (results stay in the store; a job added later that needs one
@@ -260,8 +263,8 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
     if engine not in ("local", "ray"):
         raise SlmedgeError(f"unknown engine '{engine}': local or ray")
     wd = study_workdir(study, workdir)
-    wd.mkdir(parents=True, exist_ok=True)
-    jobs = build_jobs(study, wd)
+    jobs = build_jobs(study, wd, data_dir)  # each identified by its settings and its inputs' content
+    wd.mkdir(parents=True, exist_ok=True)  # (after: a missing input leaves nothing behind)
     ss = StudyStore(store)
     ss.register(study.name, jobs)
     done = ss.finished(study.name)
@@ -272,7 +275,8 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
         del done[j.id]
     remaining = [j for j in jobs if j.id not in done]
     counts = {"jobs": len(jobs), "already_done": sum(1 for j in jobs if j.id in done), "ran": 0, "reused": 0,
-              "failed": 0, "blocked": 0, "rebuilt": len(rebuild), "discarded_bytes": 0}
+              "failed": 0, "blocked": 0, "rebuilt": len(rebuild), "discarded_bytes": 0,
+              "ran_by_kind": {"compress": 0, "export": 0, "evaluate": 0}}
     dependents: dict[str, set[str]] = {}
     for j in jobs:
         for d in j.deps:
@@ -333,6 +337,8 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
                     ss.finish(study.name, j, res)
                     done[j.id] = {"output": res.get("output")}
                     counts["reused" if res.get("reused") else "ran"] += 1
+                    if not res.get("reused"):
+                        counts["ran_by_kind"][j.kind] += 1
                     for d in j.deps:
                         discard_if_unneeded(d)
                 if progress:

@@ -1,6 +1,10 @@
-"""The study's jobs: compress -> export -> evaluate, each identified by what it computes (a
-hash of its inputs), so a job several evaluations need is built once, and a job a killed run
-finished is never run again."""
+"""The study's jobs: compress -> export -> evaluate, each identified by what it computes: a hash of
+its settings and of the content of every input it reads (``inputs``: the model source, the
+calibration files, the corpora and task files, the target profile, the versions of the packages
+that compute its numbers and slmedge's own source). A job several evaluations need is built once,
+a job a killed run finished is never run again, and a changed input gives the jobs that read it,
+and the jobs downstream of them (whose specs hold their dependencies' ids), new ids: they run
+again while every other job's result is reused."""
 
 from __future__ import annotations
 
@@ -40,9 +44,14 @@ def study_workdir(study: Study, override=None) -> Path:
     return cache_dir() / "studies" / study.name
 
 
-def build_jobs(study: Study, workdir: Path) -> list[Job]:
-    """Every job of the grid, dependencies first, each once."""
+def build_jobs(study: Study, workdir: Path, data_dir=None) -> list[Job]:
+    """Every job of the grid, dependencies first, each once. Reads (and hashes, remembering the
+    hashes) every input the jobs read: a missing one is an error naming it, before anything runs.
+    ``data_dir``: the ``--data-dir`` overlay the jobs will read their data files through."""
+    from ..compress.methods import METHODS
+    from ..compress.recipe import Recipe
     from ..export.formats import get_format
+    from . import inputs as ins
 
     jobs: dict[str, Job] = {}
 
@@ -50,34 +59,58 @@ def build_jobs(study: Study, workdir: Path) -> list[Job]:
         jobs.setdefault(job.id, job)
         return jobs[job.id]
 
+    code = ins.slmedge_digest()  # slmedge's source: the code every job runs
     ev_settings = dict(study.evaluate)
+    ev_data = ins.evaluate_inputs(ev_settings, data_dir)
+    profiles = {t: ins.profile_sha256(t) for t in study.targets}
+    def calibrates(m) -> bool:  # rtn and magnitude read no calibration data
+        return not m.is_base and METHODS[m.method].cls(Recipe(method=m.method, **m.settings)).needs_calibration
+
+    calibration: dict[str, dict] = {}  # calibration spec -> the files it reads
+    for m in study.methods:
+        if calibrates(m) and m.settings["calibration"] not in calibration:
+            calibration[m.settings["calibration"]] = ins.calibration_inputs(m.settings["calibration"], data_dir)
     for model in study.models:
+        model_id = ins.model_identity(model)
+        model_pkgs = ins.model_packages(model_id)
         for method in study.methods:
             for seed in ([None] if method.is_base else study.seeds):
-                base_labels = {"model": model, "method": method.label, "method_name": method.method,
-                               "bits": method.settings.get("bits"), "group_size": method.settings.get("group_size"),
+                bits = method.settings.get("bits")
+                base_labels = {"model": model, "method": method.label, "method_name": method.method, "bits": bits,
+                               "group_size": method.settings.get("group_size", Recipe.group_size) if bits else None,
                                "sparsity": method.settings.get("sparsity"), "seed": seed}
                 if method.is_base:
                     source, source_dep = model, []
                 else:
+                    calib = calibration[method.settings["calibration"]] if calibrates(method) else None
                     spec = {"kind": "compress", "model": model, "method": method.method,
-                            "recipe": {**method.settings, "seed": seed}}
+                            "recipe": {**method.settings, "seed": seed},
+                            "inputs": {"model": model_id, "calibration": calib,
+                                       "versions": ins.versions(ins.TORCH_STACK + model_pkgs, code)}}
                     cid = _id(spec)
                     comp = add(Job(cid, "compress", spec, base_labels, [], str(workdir / "artifacts" / cid)))
                     source, source_dep = comp.output, [comp.id]
+                # What the next job reads of the model itself: nothing when it reads a compress job's
+                # artifact (that job's id stands for it).
+                direct, direct_pkgs = ({}, ()) if source_dep else ({"model": model_id}, model_pkgs)
                 for exp in study.exports:
                     labels = {**base_labels, "export": exp.label, "format": exp.format, "type": exp.type}
                     if exp.format == "none":
-                        subject, deps = source, source_dep
+                        subject, deps, reads, pkgs = source, source_dep, direct, ins.TORCH_STACK + direct_pkgs
                     else:
+                        pkgs = ins.TORCH_STACK + ins.format_packages(exp.format)
                         spec = {"kind": "export", "source": source_dep[0] if source_dep else model,
-                                "format": exp.format, "type": exp.type}
+                                "format": exp.format, "type": exp.type,
+                                "inputs": {**direct, "versions": ins.versions(pkgs + direct_pkgs, code)}}
                         eid = _id(spec)
                         out = workdir / "exports" / get_format(exp.format).output_name(eid)
                         ex = add(Job(eid, "export", spec, labels, list(source_dep), str(out)))
-                        subject, deps = ex.output, [ex.id]
+                        subject, deps, reads = ex.output, [ex.id], {}
                     for target in study.targets:
                         spec = {"kind": "evaluate", "subject": deps[0] if deps else model, "target": target,
-                                "settings": ev_settings}
+                                "settings": ev_settings,
+                                "inputs": {**reads, "data": ev_data, "target_profile": profiles[target],
+                                           "versions": ins.versions(pkgs, code)}}
                         add(Job(_id(spec), "evaluate", spec, {**labels, "target": target}, list(deps), subject))
+    ins.save_hashes()  # the next run finds unchanged files' hashes without reading them
     return list(jobs.values())

@@ -232,7 +232,7 @@ def load_study(path) -> Study:
     from ..compress.methods import METHODS
     from ..compress.recipe import Recipe
     from ..evaluate.api import EvalSettings
-    from ..export.api import FORMATS
+    from ..export.api import FORMATS, get_format
     from ..targets.profiles import get_profile
     from ..targets.registry import transport_class
 
@@ -249,6 +249,7 @@ def load_study(path) -> Study:
     for key in ("methods", "models"):
         if not data.get(key):
             _fail(file, lines, (key,), f"'{key}' is required and must not be empty")
+    _check_models(data["models"], file, lines)
     seeds = data.get("seeds", [0])
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds) or not seeds:
         _fail(file, lines, ("seeds",), f"'seeds' must be a list of integers, got {seeds!r}")
@@ -305,16 +306,11 @@ def load_study(path) -> Study:
         if fmt != "none" and fmt not in FORMATS:
             _fail(file, lines, (*where, "format"), f"unknown format '{fmt}' (none, {', '.join(FORMATS)})")
         qtype = e.get("type", "auto")
-        if fmt == "gguf":
-            from ..export.gguf import QTYPES
-
-            if qtype != "auto" and qtype not in QTYPES:
-                _fail(file, lines, (*where, "type"), f"unknown GGUF type '{qtype}' (auto, {', '.join(QTYPES)})")
-        elif fmt == "onnx":
-            from ..export.onnx import ONNX_TYPES
-
-            if qtype != "auto" and qtype not in ONNX_TYPES:
-                _fail(file, lines, (*where, "type"), f"unknown ONNX type '{qtype}' (auto, {', '.join(ONNX_TYPES)})")
+        if fmt != "none":
+            known = get_format(fmt)
+            if qtype != "auto" and qtype not in known.types:
+                _fail(file, lines, (*where, "type"),
+                      f"unknown {known.label} type '{qtype}' (auto, {', '.join(known.types)})")
         exports.append(ExportSpec(e.get("label") or (fmt if fmt == "none" else f"{fmt}-{qtype}"), fmt, qtype))
 
     for t in targets:
@@ -330,6 +326,29 @@ def load_study(path) -> Study:
     return Study(name=data.get("name") or file.stem, path=file, models=list(data["models"]), seeds=list(seeds),
                  targets=list(targets), calibration=calib, evaluate=ev, methods=methods, exports=exports,
                  description=data.get("description", ""), workdir=data.get("workdir", ""))
+
+
+def _check_models(models: list, file: Path, lines: _Lines) -> None:
+    """Every model names a source that exists (as ``slmedge.models.source.resolve`` sees it): one
+    that does not is refused before anything runs, naming the file, the line and the model, with
+    the resolver's own error class (a missing model exits 1, not 2)."""
+    from ..errors import SlmedgeError
+    from ..models.source import resolve
+
+    for m in models:
+        if not isinstance(m, str) or not m:
+            _fail(file, lines, ("models",), f"'models' must be a list of model sources (text), got {m!r}")
+        try:
+            resolve(m)
+        except SlmedgeError as exc:
+            n = lines.line("models")
+            msg = f"{file}" + (f", line {n}" if n else "") + f": {exc}"
+            try:
+                err = type(exc)(msg)
+            except TypeError:  # an error class that takes other arguments: same exit code
+                err = SlmedgeError(msg)
+                err.exit_code = exc.exit_code
+            raise err from exc
 
 
 def _auto_label(method: str, s: dict) -> str:
