@@ -1,14 +1,25 @@
-"""The maths of each method on single linear layers with synthetic inputs."""
+"""The maths of each method on single linear layers with synthetic inputs.
+
+Each calibrated method must beat its baseline (GPTQ and AWQ: round to nearest on the same grid;
+SparseGPT and Wanda: magnitude pruning at the same sparsity) by a margin on inputs built to be
+the case the method exists for, so a method that silently fell back to its baseline fails.
+The margins come from measuring several seeds (the ratios are written beside each test).
+"""
+
+import copy
 
 import pytest
 import torch
 
-from slmedge.compress.methods.base import HessianStats, InputNormStats
+from slmedge.compress.blocks import BlockInputs
+from slmedge.compress.methods import get_method
+from slmedge.compress.methods.base import HessianStats, InputNormStats, rtn_result
 from slmedge.compress.methods.gptq import gptq_quantize
 from slmedge.compress.methods.pruning import prune_by_score
 from slmedge.compress.methods.sparsegpt import sparsegpt_prune
 from slmedge.compress.quant import QuantSpec, dequantize_codes, quantize_groups
-from slmedge.compress.recipe import Sparsity
+from slmedge.compress.recipe import Recipe, Sparsity
+from slmedge.models.architectures import Architecture, AWQMapping
 
 
 def layer_and_inputs(rows=48, cols=64, tokens=2048, seed=0):
@@ -29,12 +40,14 @@ def output_error(W, Q, X):
 
 @pytest.mark.parametrize("bits,group,sym,actorder", [(4, 16, False, True), (4, 16, True, False), (3, -1, False, True),
                                                        (4, 24, False, True), (2, 32, True, True), (8, -1, True, False)])
-def test_gptq_error_is_at_most_rtn_error(bits, group, sym, actorder):
+def test_gptq_error_is_below_rtn_error(bits, group, sym, actorder):
     W, X, H = layer_and_inputs()
     spec = QuantSpec(bits, group, sym)
     Q, codes, scales, zeros, perm = gptq_quantize(W, H.H, spec, blocksize=16, actorder=actorder)
     rtn = quantize_groups(W, spec)[0]
-    assert output_error(W, Q, X) <= output_error(W, rtn, X)
+    # GPTQ / RTN output error measured here, in parameter order: 0.485, 0.609, 0.434, 0.479, 0.571,
+    # 0.665 (seed 0); the largest over seeds 0-7 of layer_and_inputs was 0.697 (W8 per channel).
+    assert output_error(W, Q, X) <= 0.8 * output_error(W, rtn, X)
     # The codes are the result: they dequantize exactly to Q, groups in original column order.
     assert torch.equal(dequantize_codes(codes, scales, zeros, spec), Q)
     assert (perm is not None) == actorder
@@ -76,7 +89,8 @@ def test_sparsegpt_reconstructs_better_than_pruning_without_update():
     norms = InputNormStats(64, "cpu")
     norms.add_batch(X)
     wanda_keep = prune_by_score(W.abs() * norms.scaler_row.sqrt(), sp, group="row")
-    assert output_error(W, Wp, X) < output_error(W, W * wanda_keep, X)
+    # SparseGPT / Wanda output error: 0.687 here (seed 0); 0.66-0.83 over seeds 0-7.
+    assert output_error(W, Wp, X) < 0.9 * output_error(W, W * wanda_keep, X)
 
 
 def test_sparsegpt_joint_quantization_keeps_zeros_and_codes():
@@ -118,3 +132,149 @@ def test_impossible_sparsity_is_refused(text):
 
     with pytest.raises(ConfigError):
         Sparsity.parse(text)
+
+
+# --- each calibrated method against its baseline, through the method classes the engine uses ----
+
+
+def correlated_inputs(cols=64, tokens=2048, rank=8, noise=0.1, seed=0):
+    """Calibration and held-out draws of X = Z A + noise: ``rank`` latent factors mixed into every
+    column, so the columns are strongly correlated (H nearly rank ``rank``), the case where
+    GPTQ's and SparseGPT's error compensation pays off."""
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(rank, cols, generator=g)
+
+    def draw():
+        return torch.randn(tokens, rank, generator=g) @ A + noise * torch.randn(tokens, cols, generator=g)
+
+    return draw(), draw()
+
+
+def weights(seed, rows=48, cols=64):
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(100 + seed))
+
+
+def through_method(method, W, X, **recipe):
+    """W compressed by ``method``'s registered class (what the engine calls), its statistics
+    collected from X in chunks as the engine's hooks do."""
+    m = get_method(method).cls(Recipe(method=method, **recipe).validate())
+    stats = None
+    if m.stats_class is not None:
+        stats = m.stats_class(X.shape[1], "cpu")
+        for chunk in X.split(512):
+            stats.add_batch(chunk)
+    return m.compress("layer", W.clone(), stats).weight
+
+
+SEEDS = (0, 1, 2)
+
+
+# GPTQ / RTN output error on held-out inputs, seeds 0-7 (measured): W4 g32 act-order 0.020-0.039,
+# without 0.071-0.096; W3 per channel act-order 0.022-0.032, without 0.058-0.102; W2 g32 sym
+# act-order 0.036-0.054, without 0.103-0.177. Required: at most 0.4 (RTN itself is 1.0).
+@pytest.mark.parametrize("bits,group,sym,act_order", [(4, 32, False, True), (4, 32, False, False), (3, -1, False, True),
+                                                      (3, -1, False, False), (2, 32, True, True), (2, 32, True, False)])
+def test_gptq_beats_rtn_by_a_margin_on_correlated_inputs(bits, group, sym, act_order):
+    for seed in SEEDS:
+        W = weights(seed)
+        calib, held_out = correlated_inputs(seed=seed)
+        grid = dict(bits=bits, group_size=group, symmetric=sym)
+        gptq = through_method("gptq", W, calib, act_order=act_order, block_size=16, **grid)
+        rtn = through_method("rtn", W, calib, **grid)
+        assert output_error(W, gptq, held_out) <= 0.4 * output_error(W, rtn, held_out), seed
+
+
+# SparseGPT / magnitude output error on held-out inputs, seeds 0-7 (measured): 0.5 without bits
+# 0.10-0.29, 2:4 0.075-0.13; with W4 g32 (magnitude then RTN) 0.5 0.12-0.40, 2:4 0.087-0.19.
+# Required: at most 0.6.
+@pytest.mark.parametrize("sparsity,bits", [("0.5", None), ("2:4", None), ("0.5", 4), ("2:4", 4)])
+def test_sparsegpt_beats_magnitude_by_a_margin_on_correlated_inputs(sparsity, bits):
+    for seed in SEEDS:
+        W = weights(seed)
+        calib, held_out = correlated_inputs(seed=seed)
+        grid = dict(sparsity=sparsity, bits=bits, group_size=32)
+        sgpt = through_method("sparsegpt", W, calib, block_size=16, **grid)
+        mag = through_method("magnitude", W, calib, **grid)
+        assert int((sgpt == 0).sum()) >= int(W.numel() * Sparsity.parse(sparsity).ratio)
+        assert output_error(W, sgpt, held_out) <= 0.6 * output_error(W, mag, held_out), seed
+
+
+def uneven_inputs(cols=64, tokens=2048, seed=0):
+    """Independent columns whose scales are log-normal (a spread of about 100x between the
+    largest and smallest): a weight's importance is |W| times its input's norm, not |W|."""
+    g = torch.Generator().manual_seed(200 + seed)
+    scale = torch.exp(torch.randn(cols, generator=g) * 1.5)
+    return torch.randn(tokens, cols, generator=g) * scale, torch.randn(tokens, cols, generator=g) * scale
+
+
+# Wanda / magnitude output error on held-out inputs, seeds 0-7 (measured): 0.5 0.000-0.018,
+# 2:4 0.001-0.213. Required: at most 0.4.
+@pytest.mark.parametrize("sparsity", ["0.5", "2:4"])
+def test_wanda_beats_magnitude_by_a_margin_when_input_norms_vary(sparsity):
+    for seed in SEEDS:
+        W = weights(seed)
+        calib, held_out = uneven_inputs(seed=seed)
+        wanda = through_method("wanda", W, calib, sparsity=sparsity, bits=None)
+        mag = through_method("magnitude", W, calib, sparsity=sparsity, bits=None)
+        assert int((wanda == 0).sum()) == int((mag == 0).sum())
+        assert output_error(W, wanda, held_out) <= 0.4 * output_error(W, mag, held_out), seed
+
+
+class _Scale(torch.nn.Module):
+    """y = x * weight: the shape of an RMSNorm's last step, which AWQ folds 1/s into."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class _NormLinear(torch.nn.Module):
+    def __init__(self, cols, rows, g):
+        super().__init__()
+        self.norm = _Scale(cols)
+        self.proj = torch.nn.Linear(cols, rows, bias=False)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.randn(rows, cols, generator=g))
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+_NORM_LINEAR = Architecture("norm_linear", sequential=(("proj",),), awq=(AWQMapping("norm", ("proj",), "proj", True),),
+                            awq_skip_clip=())
+
+
+def salient_inputs(tokens, cols, g, channels, factor=20.0):
+    x = torch.randn(1, tokens, cols, generator=g)
+    x[..., channels] *= factor
+    return x
+
+
+# AWQ / RTN output error of the block on held-out inputs, seeds 0-7 (measured): W4 g32 with the
+# clip search 0.16-0.32, scales alone 0.23-0.35; W3 per channel 0.28-0.34 and 0.33-0.38.
+# Required: at most 0.6.
+@pytest.mark.parametrize("bits,group,clip", [(4, 32, True), (4, 32, False), (3, -1, True), (3, -1, False)])
+def test_awq_beats_rtn_by_a_margin_with_a_few_salient_input_channels(bits, group, clip):
+    for seed in SEEDS[:2]:
+        g = torch.Generator().manual_seed(300 + seed)
+        cols, rows = 128, 64
+        block = _NormLinear(cols, rows, g)
+        salient = torch.randperm(cols, generator=g)[:4]  # 4 of 128 input channels 20x larger
+        calib = [salient_inputs(512, cols, g, salient) for _ in range(2)]
+        held_out = salient_inputs(2048, cols, g, salient)
+        recipe = Recipe(method="awq", bits=bits, group_size=group, awq_clip=clip).validate()
+        awq = copy.deepcopy(block)
+        method = get_method("awq").cls(recipe)
+        results, extras = method.compress_block(awq, "b", {"b.proj": awq.proj}, BlockInputs(calib, {(0, 1): {}}), 0,
+                                                _NORM_LINEAR)
+        assert torch.equal(results["b.proj"].weight, awq.proj.weight.data)
+        rtn = copy.deepcopy(block)
+        rtn.proj.weight.data.copy_(rtn_result(rtn.proj.weight.data, recipe.quant_spec()).weight)
+        with torch.no_grad():
+            ref = block(held_out)
+            err_awq = float((awq(held_out) - ref).pow(2).sum())
+            err_rtn = float((rtn(held_out) - ref).pow(2).sum())
+        assert err_awq <= 0.6 * err_rtn, seed
