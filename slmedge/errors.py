@@ -2,6 +2,11 @@
 
 The CLI prints ``str(error)`` on one line and exits with ``error.exit_code``; library users
 catch :class:`SlmedgeError` (or a subclass) and get the same sentence.
+
+Exit codes (README.md, "Exit codes"): 2 for a bad setting (:class:`ConfigError`: an unknown name,
+a value out of range, an impossible combination; the command line's own usage errors too), 1 for
+a bad or missing input or an output location that cannot be used (every other error here), 130
+for an interrupt.
 """
 
 
@@ -37,8 +42,19 @@ class DataError(SlmedgeError):
     """Calibration or evaluation data is missing, empty or malformed."""
 
 
-class OutputExistsError(SlmedgeError):
-    """The output location already holds something and --overwrite was not given."""
+class UnknownDataError(ConfigError, DataError):
+    """A data set, task, corpus or language asked for by a name slmedge does not know: a bad
+    setting (exit 2), and a DataError for code that catches those."""
+
+
+class OutputError(SlmedgeError):
+    """The output location cannot be used: it cannot be created or written, it is a file where a
+    folder is needed (or the other way round), or it is an input of the same command."""
+
+
+class OutputExistsError(OutputError):
+    """The output location already holds something that may not be replaced (without --overwrite,
+    or at all: what slmedge did not write there)."""
 
 
 class ArtifactError(SlmedgeError):

@@ -1,18 +1,45 @@
-"""The slmedge command line: one small module per command."""
+"""The slmedge command line: one small module per command.
+
+Exit codes (README.md, "Exit codes"): 0 done; 1 a bad or missing input, an output location that
+cannot be used, or a failure while working; 2 a bad setting or a usage error; 130 interrupted
+(one line, ``interrupted``, wherever the interrupt lands: while the command line's modules load,
+while a command parses its options, or while it works)."""
 
 from __future__ import annotations
 
-import typer
+import sys
 
-from .common import state
-from .compress import compress_command
-from .data import data_app
-from .evaluate import evaluate_command, lm_eval_command
-from .export import export_command, inspect_command
-from .methods import methods_command
-from .run import run_command
-from .study import report_command, study_command
-from .targets import targets_app
+try:
+    import typer
+    from typer.core import TyperGroup
+
+    from .common import INTERRUPTED, print_interrupted, state
+    from .compress import compress_command
+    from .data import data_app
+    from .evaluate import evaluate_command, lm_eval_command
+    from .export import export_command, inspect_command
+    from .methods import methods_command
+    from .run import run_command
+    from .study import report_command, study_command
+    from .targets import targets_app
+except KeyboardInterrupt:  # Ctrl-C while torch and friends import: no traceback
+    sys.stderr.write("interrupted\n")
+    raise SystemExit(130) from None
+
+
+class _Group(TyperGroup):
+    """The root group: an interrupt anywhere in a command (outside its own error handling too)
+    is one line and exit 130, not click's "Aborted!" and 1."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            if state.debug:
+                raise
+            print_interrupted()
+            raise typer.Exit(INTERRUPTED) from None
+
 
 app = typer.Typer(
     name="slmedge",
@@ -21,6 +48,7 @@ app = typer.Typer(
     add_completion=False,
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
+    cls=_Group,
 )
 
 
@@ -44,4 +72,8 @@ app.command("report")(report_command)
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:  # between click's handling and the exit (rare)
+        print_interrupted()
+        raise SystemExit(INTERRUPTED) from None

@@ -1,19 +1,29 @@
-"""What every command shares: error translation, progress bars, the console."""
+"""What every command shares: error translation, the checks every command makes before it starts
+work (output locations, model sources), progress bars, the console.
+
+Exit codes (README.md, "Exit codes"): 0 done; 1 a bad or missing input, an output location that
+cannot be used, or a failure while working; 2 a bad setting (ConfigError, and click's usage
+errors); 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import os
+import re
 import sys
-from typing import Iterator
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator
 
 import typer
 from rich.markup import escape
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..errors import SlmedgeError
-from ..fsutil import disk_full
+from ..errors import OutputError, OutputExistsError, SlmedgeError
+from ..fsutil import disk_full, refuse_replacing
 
 console = Console()
 err_console = Console(stderr=True)
@@ -26,9 +36,33 @@ class State:
 state = State()
 
 
+INTERRUPTED = 130
+
+# The temporary names slmedge writes under before renaming into place (fsutil, the GGUF writer):
+# ".slmedge-tmp-<uuid>-NAME", ".slmedge-tmp-<pid>[-<hex8>][-stage|-old]-NAME". A message names
+# the user's NAME, never these.
+_TMP_NAME = re.compile(r"\.slmedge-tmp-(?:[0-9a-f]{32}|\d+(?:-[0-9a-f]{8})?)(?:-stage|-old)?-")
+
+
+def user_paths(text: str) -> str:
+    """``text`` with every temporary name slmedge writes under replaced by the name it becomes."""
+    return _TMP_NAME.sub("", text)
+
+
+def print_error(message: str) -> None:
+    """One ``error:`` line on stderr (temporary names replaced by the user's)."""
+    first = " ".join(user_paths(str(message)).split("\n")).strip()
+    err_console.print(f"[bold red]error:[/] {escape(first)}", highlight=False, soft_wrap=True)
+
+
+def print_interrupted() -> None:
+    err_console.print("interrupted", highlight=False, soft_wrap=True)
+
+
 @contextlib.contextmanager
 def errors_to_exit() -> Iterator[None]:
-    """Turn library errors into one line on stderr and a non-zero exit (traceback with --debug)."""
+    """Turn library errors into one line on stderr and a non-zero exit (traceback with --debug):
+    ``ConfigError`` exits 2, every other slmedge error and OSError 1, an interrupt 130."""
     try:
         yield
     except typer.Exit:
@@ -36,30 +70,95 @@ def errors_to_exit() -> Iterator[None]:
     except SlmedgeError as exc:
         if state.debug:
             raise
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        print_error(str(exc))
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         if state.debug:
             raise
-        err_console.print("[bold red]interrupted:[/] nothing half-written was left behind", soft_wrap=True)
-        raise typer.Exit(130) from None
+        print_interrupted()
+        raise typer.Exit(INTERRUPTED) from None
     except OSError as exc:
         if state.debug:
             raise
         reason = "no space left on the device" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-        err_console.print(f"[bold red]error:[/] {escape(reason + where)}", highlight=False, soft_wrap=True)
+        print_error(reason + where)
         raise typer.Exit(1) from None
     except Exception as exc:  # a bug: say so in one line, and how to see more
         if state.debug:
             raise
         if disk_full(exc):  # a library's own error around ENOSPC (safetensors raises SafetensorError)
-            err_console.print("[bold red]error:[/] no space left on the device", highlight=False, soft_wrap=True)
+            print_error("no space left on the device")
             raise typer.Exit(1) from None
         first = (str(exc).splitlines() or [""])[0][:300]
-        err_console.print(f"[bold red]error:[/] unexpected {type(exc).__name__}: {first} (run with --debug for the traceback)",
-                          highlight=False, soft_wrap=True)
+        print_error(f"unexpected {type(exc).__name__}: {first} (run with --debug for the traceback)")
         raise typer.Exit(1) from None
+
+
+# --- checks before any work ------------------------------------------------------------------------
+
+
+def check_writable_place(path: Path, option: str) -> None:
+    """Refuse ``path`` when it could not be created: the nearest folder that exists above it must
+    accept a new file (tried with a hidden file, removed at once). Nothing is created."""
+    shown = f"{option} {path}" if option else str(path)
+    above = Path(os.path.abspath(path)).parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise OutputError(f"cannot write {shown}: {above} is a file, not a folder")
+    probe = above / f".slmedge-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except OSError as exc:
+        reason = "no space left on the device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc)).lower()
+        raise OutputError(f"cannot write {shown}: {above} does not take new files ({reason})") from None
+    os.close(fd)
+    probe.unlink(missing_ok=True)
+
+
+def check_output_dir(path: Path, *, option: str = "-o", overwrite: bool = False, manifest: str | None = None,
+                     inputs=(), what: str = "the output") -> Path:
+    """A folder output (an artifact, an ONNX export): not a file, not an input, replaceable under the
+    command's rules (non-empty only with --overwrite, and then only what slmedge wrote: ``manifest``),
+    and creatable. Nothing is written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputExistsError(f"{option} {path} is a file; {what} is a folder: give a folder path")
+    refuse_replacing(path, overwrite, manifest, inputs)
+    check_writable_place(path, option)
+    return path
+
+
+def check_output_file(path: Path, *, option: str = "-o", overwrite: bool | None = False, inputs=(),
+                      ours: Callable[[Path], bool] | None = None, what: str = "the output", example: str = "",
+                      ours_noun: str = "a file") -> Path:
+    """A one-file output (a GGUF export, a JSON or report file): not a folder, not an input, and
+    creatable. ``overwrite``: None when the command replaces the file anyway; False: an existing
+    file is refused (pass --overwrite); True: replaced when ``ours`` says slmedge wrote it."""
+    path = Path(path)
+    for src in inputs:
+        if src is not None and Path(src).exists() and Path(src).resolve() == path.resolve():
+            raise OutputExistsError(f"{option} {path} is the input; choose another output")
+    if path.is_dir():
+        eg = f" (such as {path / example})" if example else ""
+        raise OutputExistsError(f"{option} {path} is a folder, and {what} is one file: {option} must be a file path{eg}")
+    if path.exists() and overwrite is not None:
+        if not overwrite:
+            raise OutputExistsError(f"{option} {path} exists; pass --overwrite to replace it")
+        if ours is not None and not ours(path):
+            raise OutputExistsError(f"{option} {path} is not {ours_noun} slmedge wrote; --overwrite only replaces "
+                                    "slmedge's own outputs: choose another output")
+    check_writable_place(path, option)
+    return path
+
+
+def check_model(spec, revision: str | None = None):
+    """Resolve a model source before anything is written (a missing one leaves no output folder):
+    returns its ModelSource; a missing or unreachable one raises ModelNotFoundError."""
+    from ..models.source import resolve
+
+    return resolve(spec, revision)
 
 
 @contextlib.contextmanager
