@@ -12,7 +12,7 @@ from rich.table import Table
 from ..compress.api import compress
 from ..compress.methods import METHODS
 from ..compress.recipe import DEFAULT_SKIP, Recipe
-from .common import console, errors_to_exit, progress_bar
+from .common import check_model, check_output_dir, console, errors_to_exit, progress_bar
 from .data import DATA_DIR_HELP
 
 
@@ -27,6 +27,25 @@ def recipe_from_options(method, bits, group_size, symmetric, sparsity, calibrati
                   calibration=calibration, nsamples=nsamples, seqlen=seqlen, seed=seed, batch_size=batch_size,
                   skip=skip_patterns, damp=damp, block_size=block_size, act_order=act_order,
                   true_sequential=true_sequential, awq_grid=awq_grid, awq_clip=awq_clip, awq_max_tokens=awq_max_tokens)
+
+
+def check_compress(model, recipe: Recipe, output, *, overwrite: bool, revision=None, data_dir=None,
+                   text_field: str = "text", option: str = "-o") -> Path:
+    """Everything a compression can be refused for before the model is loaded, in this order: the
+    recipe, the model source (resolved: a missing one creates no output folder), the calibration
+    text (read, not tokenized; Hub datasets are fetched later), the output folder. Returns it."""
+    from ..compress.api import default_output
+    from ..compress.artifact import MANIFEST
+    from ..data.calibration import read_texts
+
+    recipe = recipe.validate()
+    check_model(model, revision)
+    if METHODS[recipe.method].cls(recipe).needs_calibration and not recipe.calibration.startswith("hf:"):
+        read_texts(recipe.calibration, data_dir, text_field)
+    out = Path(output) if output is not None else default_output(model or "smollm2-135m", recipe)
+    check_output_dir(out, option=option if output is not None else "the default output", overwrite=overwrite,
+                     manifest=MANIFEST, inputs=[model] if model else [], what="an artifact")
+    return out
 
 
 def print_summary(outcome, as_json: bool = False) -> None:
@@ -100,6 +119,8 @@ def compress_command(
         recipe = recipe_from_options(method, bits, group_size, symmetric, sparsity, calibration, nsamples, seqlen, seed,
                                      batch_size, skip, include_head, damp, block_size, act_order, true_sequential,
                                      awq_grid, awq_clip, awq_max_tokens)
+        output = check_compress(model, recipe, output, overwrite=overwrite, revision=revision, data_dir=data_dir,
+                                text_field=text_field)
         with progress_bar() as progress:
             outcome = compress(model, recipe, output, data_dir=data_dir, device=device, overwrite=overwrite,
                                trust_remote_code=trust_remote_code, revision=revision, text_field=text_field,

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import console, errors_to_exit, progress_bar
+from .common import check_model, check_output_file, check_writable_place, console, errors_to_exit, progress_bar
 from .data import DATA_DIR_HELP
 
 
@@ -137,19 +137,83 @@ def evaluate_command(
             tasks=_split(tasks), limit=limit, reference=reference, reference_runtime=reference_runtime, pp=pp, tg=tg,
             repeats=repeats, context=context, threads=threads, runtime=runtime, target=target,
             data_dir=str(data_dir) if data_dir else None)
-        settings.validate()
-        store = ResultsStore(results_db)
+        check_evaluation(source, settings, json_out)
+        store = ResultsStore(results_db) if check_store_location(results_db) else None  # a foreign file: refused now
         try:
             with progress_bar() as progress:
                 ev = Evaluation(source, settings, store, json_out, progress)
                 try:
+                    if store is None:  # a new store is created once the model opened and every input read
+                        ev.check_inputs()
+                        store = ev.store = ResultsStore(results_db)
                     res = ev.run()
                 finally:
                     ev.close()
         finally:
-            store.close()
+            if store is not None:
+                store.close()
         print_results(res)
         console.print(f"results: run {res.get('run_id')} in {store.path}" + (f", JSON {json_out}" if json_out else ""))
+
+
+def check_source(spec) -> None:
+    """A model to evaluate that is not on disk must resolve (a missing path, an unreachable Hub id
+    fail here, before anything is opened or recorded); what is on disk is read by its runtime."""
+    if spec is None or Path(str(spec)).expanduser().exists():
+        return
+    check_model(str(spec))
+
+
+def check_evaluation(source, settings, json_out=None) -> None:
+    """Everything an evaluation can be refused for before a model is opened: the settings (ranges,
+    names of metrics, languages, tasks, runtimes, the target), the source and reference, the JSON
+    output's location."""
+    from ..runtimes.registry import check_runtime_name
+    from ..targets.profiles import get_profile
+
+    settings.validate()
+    for name in (settings.runtime, settings.reference_runtime):
+        if name:
+            check_runtime_name(name)
+    get_profile(settings.target, detect=False)
+    check_source(source)
+    if settings.reference and "fidelity" in settings.metrics:
+        check_source(settings.reference)
+    _read_inputs(settings)
+    if json_out is not None:
+        check_output_file(Path(json_out), option="--json", overwrite=None, inputs=[source] if source else [],
+                          what="the JSON output", example="results.json")
+
+
+def _read_inputs(settings) -> None:
+    """Read the files a user names (task files, --corpus files) as the evaluation will: a missing,
+    empty or malformed one fails before the model is opened or the target measured."""
+    from ..evaluate.corpora import load_corpus
+    from ..errors import DataError
+    from ..evaluate.tasks import load_task
+
+    if "tasks" in settings.metrics and settings.tasks:
+        for task in settings.task_list():
+            load_task(task, settings.data_dir, settings.limit)
+    if "perplexity" in settings.metrics:
+        for f in settings.corpora:
+            if not load_corpus(f, settings.data_dir).strip():
+                raise DataError(f"the corpus {f} is empty: no text to score")
+
+
+def check_store_location(path) -> bool:
+    """Whether the results store (--results-db, $SLMEDGE_RESULTS_DB, or the default) is already a
+    file; a folder in its place, or a place no file can be created, is refused (nothing created)."""
+    from ..errors import OutputError
+    from ..evaluate.store import default_path
+
+    p = Path(path).expanduser() if path else default_path()
+    option = "--results-db" if path else "the results store"
+    if p.exists() and not p.is_file():
+        raise OutputError(f"{option} {p} is a folder; give a file path for the results store")
+    if not p.exists():
+        check_writable_place(p, option)
+    return p.exists()
 
 
 def lm_eval_command(ctx: typer.Context):

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import console, err_console, errors_to_exit
+from .common import check_model, check_output_dir, check_output_file, console, err_console, errors_to_exit
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -75,6 +75,7 @@ def export_command(
     from ..export.formats import get_format
 
     with errors_to_exit():
+        _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level, revision)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             report = export(source, fmt, qtype, output, exact=exact, verify=verify, overwrite=overwrite,
@@ -87,6 +88,54 @@ def export_command(
             console.print_json(json.dumps(report, default=str))
         else:
             _print_export(report, get_format(fmt))
+
+
+def _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level, revision) -> None:
+    """Everything an export can be refused for without reading the model: the format and its type,
+    the ranges, the source (resolved: a missing one writes nothing), the output location."""
+    from ..errors import ConfigError, OutputExistsError
+    from ..export.api import default_output
+    from ..export.errors import ExportError
+    from ..export.formats import get_format
+
+    target = get_format(fmt)
+    try:
+        target.check_type(qtype)
+    except ExportError as exc:  # an unknown type is a bad setting (exit 2), whoever says so
+        raise ConfigError(str(exc)) from None
+    if not 0 <= accuracy_level <= 4:
+        raise ConfigError(f"--accuracy-level must be 0..4, got {accuracy_level}")
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {threads}")
+    src = check_model(source, revision)
+    if output is not None:
+        out = Path(output)
+        option = "-o"
+    elif src.kind in ("artifact", "hf_dir"):  # the default name follows from the folder (others: once converted)
+        out, option = default_output(src.path, target.name, qtype), "the default output"
+    else:
+        return
+    target.check_output(out)
+    inputs = [source] if source is not None else []
+    if target.single_file:
+        check_output_file(out, option=option, overwrite=overwrite, inputs=inputs, ours=lambda p: _ours(target, p),
+                          what=target.what, example=target.output_name("model"),
+                          ours_noun=f"a {target.label} file")
+    else:
+        check_output_dir(out, option=option, overwrite=overwrite, inputs=inputs, what=target.what)
+        if overwrite and out.is_dir() and any(out.iterdir()) and not _ours(target, out):
+            entries = sorted(p.name for p in out.iterdir())
+            shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+            raise OutputExistsError(f"{option} {out} holds what slmedge did not write there ({shown}; no export "
+                                    "manifest); --overwrite only replaces slmedge's own outputs: choose another output")
+
+
+def _ours(target, path: Path) -> bool:
+    """An output slmedge wrote in this format: it carries the format's manifest."""
+    try:
+        return target.read_manifest(path) is not None
+    except Exception:  # noqa: BLE001 - not a file of this format at all, or a damaged one
+        return False
 
 
 def inspect_command(

@@ -20,7 +20,7 @@ from ..compress.artifact import Artifact
 from ..compress.recipe import Recipe
 from ..errors import ArtifactError
 from ..models.artifact_format import is_artifact, manifest_path
-from .common import console, errors_to_exit, progress_bar
+from .common import check_output_file, console, errors_to_exit, progress_bar
 from .data import DATA_DIR_HELP
 from .evaluate import flips_text
 
@@ -50,15 +50,31 @@ def run_command(
     """
     from ..evaluate.api import EvalSettings, Evaluation
     from ..evaluate.store import ResultsStore
+    from ..export.formats import get_format
     from ..export.gguf import export_gguf
+    from .compress import check_compress
+    from .evaluate import check_evaluation, check_store_location
 
+    spec = model or "smollm2-135m"
     with errors_to_exit():
+        # Every setting and location first: nothing is compressed, exported or recorded before all pass.
         # Asymmetric codes: GGUF Q4_1 holds them exactly (scale and offset per 32-value block).
         recipe = Recipe(method=method, bits=bits, group_size=group_size, symmetric=False, nsamples=nsamples,
                         seqlen=seqlen).validate()
-        out = Path(output) if output else default_output(model or "smollm2-135m", recipe)
+        settings = EvalSettings(seqlen=seqlen, ppl_windows=windows, tasks=MAIN_TASKS, limit=limit, pp=256,
+                                tg=64, repeats=2, fidelity_windows=1, data_dir=str(data_dir) if data_dir else None)
+        check_evaluation(model, settings)
+        out = Path(output) if output else default_output(spec, recipe)
+        gguf = get_format("gguf")
+        gguf_path = out.with_name(gguf.output_name(out.name))  # beside the artifact, named by the format
         artifact = _reusable(out, recipe) if not overwrite else None
-        store = ResultsStore(results_db)
+        if artifact is None:
+            check_compress(model, recipe, out, overwrite=overwrite, data_dir=data_dir,
+                           option="-o" if output else "the default output")
+        check_output_file(gguf_path, option="the GGUF export", overwrite=True, inputs=[out],
+                          ours=lambda p: _gguf_ours(gguf, p), what=gguf.what, example=gguf.output_name("model"),
+                          ours_noun=f"a {gguf.label} file")
+        store = ResultsStore(results_db) if check_store_location(results_db) else None  # a foreign file: refused now
         try:
             with progress_bar() as progress:
                 if artifact is None:
@@ -69,30 +85,36 @@ def run_command(
                     del outcome
                 else:
                     console.print(f"reusing {out} (same recipe, checksums verified); --overwrite to recompress")
-                gguf_path = out.with_name(out.name + ".gguf")
                 if not _fresh(gguf_path, out):
                     report = export_gguf(out, gguf_path, "auto", overwrite=True)
                     v = report["verification"]
-                    console.print(f"exported {gguf_path} ({report['qtype']}, codes kept in {report['codes_kept']} tensors; "
-                                  f"llama.cpp vs torch: top-1 {v['top1_agreement']:.1%}, mean KL {v['mean_kl']:.2e})")
-                settings = EvalSettings(seqlen=seqlen, ppl_windows=windows, tasks=MAIN_TASKS, limit=limit, pp=256,
-                                       tg=64, repeats=2, fidelity_windows=1,
-                                       data_dir=str(data_dir) if data_dir else None)
+                    console.print(f"exported {gguf_path} ({report['qtype']}, codes kept in {report['codes_kept']} "
+                                  f"tensors; llama.cpp vs torch: top-1 {v['top1_agreement']:.1%}, "
+                                  f"mean KL {v['mean_kl']:.2e})")
+                store = store or ResultsStore(results_db)
                 rows = []
-                for spec, label in ((model or "smollm2-135m", "base (torch)"), (str(gguf_path), "compressed (llama.cpp)")):
+                for ev_spec, label in ((spec, "base (torch)"), (str(gguf_path), "compressed (llama.cpp)")):
                     # The base has no reference; the compressed GGUF is compared with the base.
                     metrics = tuple(m for m in settings.metrics if m != "fidelity" or not label.startswith("base"))
-                    ev = Evaluation(spec, dataclasses.replace(settings, metrics=metrics), store, None, progress)
+                    ev = Evaluation(ev_spec, dataclasses.replace(settings, metrics=metrics), store, None, progress)
                     if not label.startswith("base"):
-                        ev.sub.base_spec = ev.sub.base_spec or (model or "smollm2-135m")
+                        ev.sub.base_spec = ev.sub.base_spec or spec
                     try:
                         rows.append((label, ev.run()))
                     finally:
                         ev.close()
         finally:
-            store.close()
+            if store is not None:
+                store.close()
         _print_side_by_side(rows, recipe)
         console.print(f"artifact: {out}\nGGUF: {gguf_path}\nresults store: {store.path}")
+
+
+def _gguf_ours(fmt, path: Path) -> bool:
+    try:
+        return fmt.read_manifest(path) is not None
+    except Exception:  # noqa: BLE001 - not a GGUF file slmedge wrote
+        return False
 
 
 def _fresh(gguf_path: Path, artifact: Path) -> bool:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DataError, RuntimeNotInstalledError
+from ..errors import DataError, RuntimeNotInstalledError, UnknownDataError
 from ..fsutil import iter_jsonl, sha256_file
 from .files import data_files, file_sha256
 
@@ -41,9 +41,11 @@ def read_texts(spec: str, data: str | Path | None = None, text_field: str = "tex
         return _file_texts(path, text_field), {"files": {str(path.resolve()): sha256_file(path)}}
     name, _, arg = spec.partition(":")
     if not (name == "c4" and not arg) and name != "multilingual":
-        raise DataError(
-            f"calibration data '{spec}' not found: give c4, multilingual[:LANGS], a .txt/.jsonl file, or hf:DATASET"
-        )
+        choices = "give c4, multilingual[:LANGS], a .txt/.jsonl file, or hf:DATASET"
+        if path.exists() or "/" in spec or path.suffix.lower() in (".txt", ".jsonl", ".json"):  # a file: missing input
+            what = "is not a file" if path.exists() else "does not exist"
+            raise DataError(f"calibration file {spec} {what}; {choices}")
+        raise UnknownDataError(f"calibration data '{spec}' not found: {choices}")  # a name: a bad setting
     files = data_files(data)
     if name == "c4":
         rels = ["calibration/c4_en.jsonl"]
@@ -52,7 +54,7 @@ def read_texts(spec: str, data: str | Path | None = None, text_field: str = "tex
         langs = [lang.strip() for lang in arg.split(",") if lang.strip()] if arg else available
         unknown = [lang for lang in langs if lang not in available]
         if unknown:
-            raise DataError(f"no multilingual calibration text for {', '.join(unknown)}; available: {', '.join(available)}")
+            raise UnknownDataError(f"no multilingual calibration text for {', '.join(unknown)}; available: {', '.join(available)}")
         rels = [f"calibration/multilingual/{lang}.txt" for lang in langs]
     texts: list[str] = []
     hashes = {}

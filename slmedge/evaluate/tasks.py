@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import DataError, UnknownDataError
 from ..fsutil import iter_jsonl
 from ..data.files import data_files
 
@@ -65,7 +65,11 @@ def task_file(name: str, data=None) -> Path:
     else:
         f = data_files(data).find(f"tasks/{name}.jsonl")
     if f is None:
-        raise DataError(f"unknown task '{name}'; choose from {', '.join(task_names(data))} or give a .jsonl file")
+        if path.exists() or "/" in name or path.suffix == ".jsonl":  # a file: a missing input
+            what = "is not a file" if path.exists() else "does not exist"
+            raise DataError(f"task file {name} {what}; give an existing .jsonl file or a task name")
+        # a name: a bad setting
+        raise UnknownDataError(f"unknown task '{name}'; choose from {', '.join(task_names(data))} or give a .jsonl file")
     return f
 
 
