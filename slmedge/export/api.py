@@ -16,8 +16,8 @@ def source_folder(spec: str | None, revision: str | None = None) -> Path:
     from ..models.source import embedded_gguf_path, gguf_to_hf_dir, resolve
 
     source = resolve(spec, revision)
-    if source.kind in ("artifact", "hf_dir"):
-        return source.path
+    if source.kind in ("artifact", "hf_dir") or (source.kind == "hub" and source.path is not None):
+        return source.path  # a Hub id with a path: its cached snapshot, the Hub being out of reach
     if source.kind == "embedded":
         return gguf_to_hf_dir(embedded_gguf_path(source.spec))
     if source.kind == "gguf":

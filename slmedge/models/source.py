@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ class ModelSource:
 
     kind: str  # "embedded" | "hf_dir" | "artifact" | "gguf" | "hub"
     spec: str
-    path: Path | None = None
+    path: Path | None = None  # a hub id: its snapshot in the local HF cache when the Hub cannot be reached
     revision: str | None = None
 
     def describe(self) -> str:
@@ -106,7 +107,100 @@ def resolve(spec: str | None, revision: str | None = None) -> ModelSource:
             f"model '{spec}' not found: not a local folder or .gguf file, not a Hugging Face id (org/name), "
             f"and not an embedded model ({', '.join(EMBEDDED)})"
         )
-    return ModelSource("hub", spec, revision=revision)
+    return _hub_source(spec, revision)
+
+
+# --- Hub ids: reachable, or cached ---------------------------------------------------------------
+
+HUB_CHECK_TIMEOUT_S = 2.0
+_hub_reachable: dict[tuple[str, int], bool] = {}  # (host, port) -> answered; asked once per process
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_offline_setting() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) asks for no network."""
+    return _env_on("HF_HUB_OFFLINE") or _env_on("TRANSFORMERS_OFFLINE")
+
+
+def _hub_address() -> tuple[str, int]:
+    """Where a Hub request would connect first: the HTTPS proxy when one is set, else the Hub
+    endpoint (HF_ENDPOINT, default https://huggingface.co)."""
+    from urllib.parse import urlsplit
+
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        proxy = os.environ.get(var, "").strip()
+        if proxy:
+            u = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+            if u.hostname:
+                return u.hostname, u.port or (443 if u.scheme == "https" else 80)
+    u = urlsplit(os.environ.get("HF_ENDPOINT", "").strip() or "https://huggingface.co")
+    return u.hostname or "huggingface.co", u.port or (80 if u.scheme == "http" else 443)
+
+
+def hub_reachable(timeout: float = HUB_CHECK_TIMEOUT_S) -> bool:
+    """Whether the Hub (or the proxy in front of it) takes a TCP connection within ``timeout``
+    seconds, name lookup included; asked once per process and address."""
+    import socket
+    import threading
+
+    address = _hub_address()
+    if address not in _hub_reachable:
+        answered: list[bool] = []
+
+        def attempt() -> None:
+            try:
+                with socket.create_connection(address, timeout=timeout):
+                    answered.append(True)
+            except OSError:
+                pass
+
+        probe = threading.Thread(target=attempt, daemon=True)  # a name lookup that hangs is not waited for
+        probe.start()
+        probe.join(timeout)
+        _hub_reachable[address] = bool(answered)
+    return _hub_reachable[address]
+
+
+def hub_cache_dir() -> Path:
+    """The local Hugging Face cache, as the environment says now (HF_HUB_CACHE, HF_HOME)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hub_cached_snapshot(spec: str, revision: str | None = None) -> Path | None:
+    """The folder of ``spec``'s snapshot (``revision``, default main) in the local HF cache, when
+    its config.json is there; None otherwise. Reads the cache only."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(spec, "config.json", cache_dir=str(hub_cache_dir()), revision=revision)
+    except Exception:  # noqa: BLE001 - a malformed id or cache: not cached
+        return None
+    return Path(found).parent if isinstance(found, str) and Path(found).is_file() else None
+
+
+def _hub_source(spec: str, revision: str | None) -> ModelSource:
+    """A Hub id: fetched when the Hub answers; read from the local cache when it does not (or
+    HF_HUB_OFFLINE is set) and the model is there; otherwise refused at once, saying why."""
+    offline = hub_offline_setting()
+    if not offline and hub_reachable():
+        return ModelSource("hub", spec, revision=revision)
+    cached = hub_cached_snapshot(spec, revision)
+    if cached is not None:
+        return ModelSource("hub", spec, path=cached, revision=revision)
+    at = f" at revision {revision}" if revision else ""
+    if offline:
+        raise ModelNotFoundError(
+            f"cannot fetch {spec}{at} from the Hugging Face Hub: HF_HUB_OFFLINE is set and it is not in the local "
+            f"cache ({hub_cache_dir()}); give a local folder or .gguf, or unset HF_HUB_OFFLINE to download it")
+    raise ModelNotFoundError(
+        f"cannot reach the Hugging Face Hub to fetch {spec}{at} (no network); give a local folder or .gguf, "
+        "or set HF_HUB_OFFLINE=1 and use a cached model")
 
 
 def load(
@@ -135,8 +229,8 @@ def load(
     elif source.kind == "hf_dir":
         hf_dir = source.path
         identity = {"kind": "hf_dir", "path": str(hf_dir), "weights_sha256": weights_digest(hf_dir)}
-    else:
-        hf_dir = None
+    else:  # a Hub id: downloaded, or its snapshot in the local cache when the Hub cannot be reached
+        hf_dir = source.path
         identity = {"kind": "hub", "id": source.spec, "revision": revision}
     target = str(hf_dir) if hf_dir is not None else source.spec
     config = _load_config(target, source, revision, trust_remote_code)
@@ -210,14 +304,19 @@ def _load_config(target, source, revision, trust_remote_code):
 
     try:
         return AutoConfig.from_pretrained(target, revision=revision, trust_remote_code=trust_remote_code)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
+        if not trust_remote_code and ("custom code" in str(exc) or "trust_remote_code" in str(exc)):
+            raise ModelLoadError(
+                f"{source.spec} needs code shipped with the model to load (its config names its own classes); "
+                "slmedge runs no model code unless you pass --trust-remote-code (trust_remote_code=True from Python)"
+            ) from exc
+        if isinstance(exc, ValueError):
+            raise ModelLoadError(f"cannot read the config of {target}: {_first_line(exc)}") from exc
         if source.kind == "hub":
             raise ModelNotFoundError(
                 f"could not get '{source.spec}' from the Hugging Face Hub ({_first_line(exc)}); "
                 "check the id, your network, or use a local folder"
             ) from exc
-        raise ModelLoadError(f"cannot read the config of {target}: {_first_line(exc)}") from exc
-    except ValueError as exc:
         raise ModelLoadError(f"cannot read the config of {target}: {_first_line(exc)}") from exc
 
 
