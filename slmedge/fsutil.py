@@ -47,6 +47,33 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
         raise DataError(f"{path} is not UTF-8 text") from exc
 
 
+# A manifest slmedge writes carries the sha256 of its own content under this key, so an edit of
+# the manifest (bits 4 -> 8 in an artifact's slmedge.json) shows on the next read.
+SEAL_KEY = "manifest_sha256"
+
+
+def manifest_digest(manifest: dict) -> str:
+    """The sha256 of a manifest's content without its seal: canonical JSON (sorted keys, no
+    spaces) of the value as it reads back from disk, so a written and a re-read manifest agree."""
+    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k != SEAL_KEY}, default=str))
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                                     ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def sealed(manifest: dict) -> dict:
+    """``manifest`` with its seal (the digest of the rest) added."""
+    return {**{k: v for k, v in manifest.items() if k != SEAL_KEY}, SEAL_KEY: manifest_digest(manifest)}
+
+
+def check_seal(manifest: dict, where, error: type = SlmedgeError) -> None:
+    """Raise ``error`` when a sealed manifest's content no longer matches its seal. A manifest
+    without one (written before seals existed) passes: its files' checksums still hold."""
+    recorded = manifest.get(SEAL_KEY) if isinstance(manifest, dict) else None
+    if recorded is not None and recorded != manifest_digest(manifest):
+        raise error(f"{where} was changed after slmedge wrote it (its content no longer matches its "
+                    f"{SEAL_KEY}): it cannot be trusted; write it again")
+
+
 def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .. import __version__
-from ..fsutil import atomic_directory, sha256_file, write_json_atomic
+from ..fsutil import atomic_directory, sealed, sha256_file, write_json_atomic
 from ..models.artifact_format import (FORMAT, FORMAT_VERSION, MANIFEST, QUANT_FILE, is_artifact, manifest_path,
                                       open_manifest, read_manifest, verify_files)
 from .methods.base import LinearResult
@@ -97,7 +97,7 @@ def write_artifact(dest, model, tokenizer, layers, extras, manifest: dict, overw
             files={p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
         )
         manifest.setdefault("timings", {})["write_s"] = round(time.perf_counter() - started, 3)
-        write_json_atomic(tmp / MANIFEST, manifest)
+        write_json_atomic(tmp / MANIFEST, sealed(manifest))
     return Path(dest)
 
 

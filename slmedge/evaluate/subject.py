@@ -1,7 +1,9 @@
 """What `slmedge evaluate` evaluates: a source opened in one runtime, with its tokenizer and identity.
 
-The runtime follows from the file (``.gguf`` -> llama.cpp, ``.onnx`` or an ONNX export folder ->
-onnxruntime, anything else -> torch) or ``--runtime``. An artifact or model asked for in
+The runtime follows from the file (an export format's file or folder -> the runtime registered for
+that format: ``.gguf`` -> llama.cpp, ``.onnx`` or an ONNX export folder -> onnxruntime; anything
+else -> torch) or ``--runtime``. An export slmedge wrote is checked against the digests its
+manifest records before it is opened. An artifact or model asked for in
 llama.cpp or onnxruntime is exported once (codes kept where the type allows, verified) into the
 cache and run from there, so all three runtimes serve every source.
 """
@@ -12,12 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..export.formats import format_for_path, get_format
 from ..fsutil import sha256_file
 from ..models.artifact_format import is_artifact, manifest_path, read_manifest
+from ..models.source import load
 from ..paths import cache_dir
 from ..runtimes import Runtime, TorchRuntime
 from ..runtimes.memprobe import open_file_runtime
-from ..runtimes.registry import RUNTIMES, check_runtime_name, file_runtime, get_runtime, source_runtime
+from ..runtimes.registry import RUNTIMES, check_runtime_name, get_runtime, source_runtime
 from .tokens import Encoder, HFEncoder, LlamaCppEncoder
 
 
@@ -81,42 +85,16 @@ def _export_base(manifest: dict | None) -> str | None:
     return src if src and Path(src).exists() else None
 
 
-def _manifest(fmt: str, path: Path, **kw) -> dict | None:
-    """An export's manifest through its format's one reader (None: none, or unreadable)."""
-    from ..export.formats import get_format
-
-    try:
-        return get_format(fmt).read_manifest(path, **kw)
-    except ValueError:
-        return None
-
-
 def _cached_export(folder: Path, fmt: str) -> Path:
     """An export of ``folder`` in the cache (auto type: the artifact's codes where they fit)."""
-    from ..export.formats import get_format
-
     export_format = get_format(fmt)
     key = _sha256_files([p for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")])[:16]
     root = cache_dir() / "exports"
     root.mkdir(parents=True, exist_ok=True)
     out = root / export_format.output_name(f"{key}-{fmt}")
-    if not export_format.complete(out):
+    if not export_format.reusable(out):  # missing, half-written, or changed since written: write it again
         export_format.write(folder, out, "auto", overwrite=True)
     return out
-
-
-def _file_format(path: Path) -> str | None:
-    """The export format of a file or folder by its name, or by a format's magic bytes."""
-    from ..export.formats import FORMATS
-
-    found = file_runtime(path) if path.exists() else None
-    if found is not None:
-        return found.export_format
-    if path.is_file():
-        with open(path, "rb") as f:
-            head = f.read(16)
-        return next((name for name, f in FORMATS.items() if f.magic and head.startswith(f.magic)), None)
-    return None
 
 
 def _format_runtime(fmt: str, runtime: str | None) -> str:
@@ -130,49 +108,23 @@ def open_subject(spec: str | None, runtime: str | None = None, threads: int | No
                  device: str = "cpu", trust_remote_code: bool = False, factory=None) -> Subject:
     """``factory(runtime, path, threads, n_ctx)``, when given, opens model files (a transport's
     ``open_runtime``: a target's runner, a GPU back end); by default they open here on the CPU."""
-    from ..models.source import load, resolve
+    from ..models.source import resolve
 
     spec = None if spec is None else str(spec)
     spec_s = spec or "smollm2-135m"
     path = Path(spec_s).expanduser()
     factory = factory or open_file_runtime
-    fmt = _file_format(path)
+    fmt = format_for_path(path)
     rt = _format_runtime(fmt, runtime) if fmt else (check_runtime_name(runtime) if runtime else source_runtime().name)
     want = get_runtime(rt)
 
     # --- files that are already in a runtime's format ----------------------------------------
-    if fmt is not None and want.runs_files and want.export_format != fmt:
-        raise ConfigError(f"{path} is a {fmt.upper()} export: {rt} runs {want.export_format.upper()} exports; run it "
-                          f"in {' or '.join(n for n, s in RUNTIMES.items() if s.export_format == fmt)} "
-                          "(or evaluate its source)")
-    if fmt == "gguf":
-        if not want.runs_files:
-            loaded = load(str(path))
-            return _torch_subject(spec_s, loaded, threads, device, None, {"kind": "gguf", "path": str(path.resolve()),
-                                                                          "sha256": sha256_file(path)})
-        run = factory(rt, path, threads, n_ctx)
-        manifest = _manifest(fmt, path, metadata=run.metadata)
-        base = _export_base(manifest)
-        ident = {"kind": "gguf", "path": str(path.resolve()), "sha256": sha256_file(path), "label": path.name,
-                 "qtype": (manifest or {}).get("qtype")}
-        return Subject(spec_s, run, LlamaCppEncoder(getattr(run, "llm", None) or _vocab(path)), ident, file=path,
-                       params=run.n_params, base_spec=base)
-    if fmt == "onnx":
-        if not want.runs_files:
-            raise ConfigError(f"{path} is an ONNX export: it runs in onnxruntime (evaluate its source for {rt})")
-        from ..backends.ort import model_file
-
-        run = factory(rt, model_file(path), threads, n_ctx)
-        folder = model_file(path).parent
-        manifest = _manifest(fmt, folder)
-        encoder = _hf_encoder(folder, trust_remote_code)
-        onnx_file = model_file(path)
-        files = [p for p in folder.iterdir() if p.is_file() and p.name.startswith(onnx_file.name)]
-        ident = {"kind": "onnx", "path": str(onnx_file.resolve()), "sha256": _sha256_files(files),
-                 "label": folder.name if onnx_file.name == "model.onnx" else onnx_file.name,
-                 "qtype": (manifest or {}).get("type")}
-        return Subject(spec_s, run, encoder, ident, file=onnx_file, params=_onnx_params(onnx_file),
-                       base_spec=_export_base(manifest))
+    if fmt is not None:
+        if want.runs_files and want.export_format != fmt:
+            raise ConfigError(f"{path} is {get_format(fmt).what}: {rt} runs {get_format(want.export_format).label} "
+                              f"exports; run it in {' or '.join(_runners(fmt))} (or evaluate its source)")
+        return _file_subject(spec_s, path, fmt, rt, want.runs_files, threads, n_ctx, device, trust_remote_code,
+                             factory)
 
     # --- model sources: torch, or exported for the other runtimes ------------------------------
     source = resolve(spec, None)
@@ -193,6 +145,52 @@ def open_subject(spec: str | None, runtime: str | None = None, threads: int | No
     elif sub.base_spec is None:
         sub.base_spec = None
     return sub
+
+
+def _runners(fmt: str) -> list[str]:
+    return [n for n, s in RUNTIMES.items() if s.export_format == fmt]
+
+
+def _file_subject(spec_s: str, path: Path, fmt: str, rt: str, runs_files: bool, threads, n_ctx, device,
+                  trust_remote_code, factory) -> Subject:
+    """An export (a file or folder in ``fmt``) opened in ``rt``; what differs between formats (the
+    model file inside, where the tokenizer is, the manifest's type key) is what the format registered."""
+    export_format = get_format(fmt)
+    # What slmedge wrote is checked against the digests it recorded before a number is taken from it.
+    manifest = export_format.checked_manifest(path)
+    if not runs_files:
+        if not export_format.torch_source:
+            raise ConfigError(f"{path} is {export_format.what}: it runs in {' or '.join(_runners(fmt))} "
+                              f"(evaluate its source for {rt})")
+        loaded = load(str(path))
+        return _torch_subject(spec_s, loaded, threads, device, None, {"kind": fmt, "path": str(path.resolve()),
+                                                                      "sha256": sha256_file(path)})
+    model_file = export_format.model_file(path)
+    run = factory(rt, model_file, threads, n_ctx)
+    if export_format.tokenizer == "inside":  # the file's own vocabulary, read by llama.cpp's loader
+        encoder = LlamaCppEncoder(getattr(run, "llm", None) or _vocab(model_file))
+    else:
+        encoder = _hf_encoder(model_file.parent, trust_remote_code)
+    files = export_format.model_files(model_file)
+    main = model_file if export_format.single_file or not _folders_model(export_format, model_file) else model_file.parent
+    ident = {"kind": fmt, "path": str(model_file.resolve()),
+             "sha256": sha256_file(files[0]) if len(files) == 1 else _sha256_files(files),
+             "label": main.name, "qtype": (manifest or {}).get(export_format.type_key)}
+    params = getattr(run, "n_params", None)
+    if params is None and export_format.model_facts is not None:
+        try:
+            params = export_format.model_facts(model_file).get("params")
+        except Exception:  # noqa: BLE001 - the size is reported without it
+            params = None
+    return Subject(spec_s, run, encoder, ident, file=model_file, params=params, base_spec=_export_base(manifest))
+
+
+def _folders_model(export_format, model_file: Path) -> bool:
+    """Whether ``model_file`` is the one its folder opens as (the export is then named by its folder)."""
+    try:
+        return export_format.model_file(model_file.parent) == model_file
+    except Exception:  # noqa: BLE001 - a folder holding several models
+        return False
 
 
 def _vocab(path: Path):
@@ -254,7 +252,7 @@ def open_on_target(spec, runtime: str | None, threads: int | None, n_ctx: int, p
     if runtime:
         runtime = check_runtime_name(runtime)
     if not transport.in_process:
-        fmt = _file_format(Path(spec)) if spec else None
+        fmt = format_for_path(Path(spec)) if spec else None
         if runtime is None:
             runtime = _format_runtime(fmt, None) if fmt else (profile.default_runtime or profile.runtimes[0])
         if not get_runtime(runtime).runs_files:

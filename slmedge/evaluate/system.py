@@ -22,9 +22,12 @@ def path_bytes(path: Path | None) -> int | None:
     if path is None:
         return None
     p = Path(path)
-    if p.is_file():
-        siblings = [q for q in p.parent.iterdir() if q.is_file() and q.name.startswith(p.name)] if p.suffix == ".onnx" else [p]
-        return sum(q.stat().st_size for q in siblings)
+    if p.is_file():  # an export's model file: with the files its format says belong to it
+        from ..export.formats import format_for_path, get_format
+
+        fmt = format_for_path(p)
+        files = get_format(fmt).model_files(p) if fmt else [p]
+        return sum(q.stat().st_size for q in files)
     if p.is_dir():  # an HF folder or artifact: what the runtime reads (weights)
         return sum(q.stat().st_size for q in p.glob("*.safetensors") if q.name != "quantization.safetensors")
     return None

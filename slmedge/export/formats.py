@@ -9,7 +9,9 @@ about a format, so nothing else compares format names:
 - what an output is: one file ending in ``suffix``, or a folder (whose name must not end in it);
   its default name; when one on disk is complete;
 - the one reader of the manifest an export carries: a dict (``format``, ``source``,
-  ``source_kind``, ``source_manifest_sha256`` in every format), or None when it has none;
+  ``source_kind``, ``source_manifest_sha256`` in every format), or None when it has none; and its
+  checked form, which also verifies the output against the checksums the manifest records
+  (everything slmedge reads back from its outputs or caches goes through it);
 - the types it accepts besides ``auto``, its verification tolerances and the error it raises;
 - how ``slmedge export`` and ``slmedge inspect`` show its report and its files.
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SlmedgeError
 from ..registry import Registry
 from .errors import ExportError
 
@@ -42,6 +44,10 @@ class ExportFormat:
     read_manifest: Callable[..., dict | None]  # (path) -> the export's manifest, None when it has none
     types: tuple[str, ...]  # what the writer accepts besides "auto"
     tolerances: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # kind -> mean_kl, top1
+    # (path) -> the manifest of an output slmedge wrote, after checking it and every file it covers
+    # against the digests it records (ArtifactError when one changed); None: an output without one.
+    # A format without it has only ``read_manifest`` (nothing recorded to check against).
+    verified_manifest: Callable[[Path], dict | None] | None = None
     options: tuple[str, ...] = ()  # export()'s format-specific keyword arguments the writer takes
     error: type = ExportError  # what the writer raises when it cannot write as asked
     noun: str = ""  # how messages name one export (default "a <label> export")
@@ -52,6 +58,13 @@ class ExportFormat:
     inspect_rows: Callable[[dict], list[tuple[str, str]]] = _no_rows  # its table rows
     recognizes: Callable[[Path], bool] | None = None  # a folder in this format, by a look inside
     magic: bytes = b""  # a file in this format by its first bytes, whatever its name
+    # What evaluation and the targets ask of an output, so that none of them names a format:
+    model_file: Callable[[Path], Path] = Path  # the file its runtime opens (a folder format: the one inside)
+    model_files: Callable[[Path], list] = lambda p: [Path(p)]  # the files that are the model (size, copies)
+    model_facts: Callable[[Path], dict] | None = None  # (model file) -> config (HF names), params, quantized
+    tokenizer: str = "beside"  # "inside": the file carries its vocabulary; "beside": tokenizer files next to it
+    type_key: str = "type"  # the manifest key naming the export's type
+    torch_source: bool = False  # models.source can also load it as a model (into torch)
 
     @property
     def what(self) -> str:
@@ -81,6 +94,20 @@ class ExportFormat:
             holds = f" ({self.folder_holds})" if self.folder_holds else ""
             raise ConfigError(f"{self.what} is a directory{holds}: give a folder, not {out}")
 
+    def checked_manifest(self, out: Path) -> dict | None:
+        """The output's manifest, checked against what it records where the format records digests."""
+        return (self.verified_manifest or self.read_manifest)(out)
+
+    def reusable(self, out: Path) -> bool:
+        """Whether an output slmedge wrote before (a cache entry, a study's export) is whole and
+        unchanged: complete, and its files match the checksums its manifest records."""
+        if not self.complete(out):
+            return False
+        try:
+            return self.checked_manifest(out) is not None
+        except (SlmedgeError, OSError, ValueError):
+            return False
+
     def writer_options(self, options: dict) -> dict:
         """The options of ``export()`` this format's writer takes."""
         return {k: options[k] for k in self.options if k in options}
@@ -102,6 +129,24 @@ def register_format(name: str, **facts) -> Callable[[Callable[..., dict]], Calla
 def unregister_format(name: str) -> None:
     """Remove a registration (for formats registered by tests or plug-ins)."""
     FORMATS.remove(name)
+
+
+def format_for_path(path) -> str | None:
+    """The format an output on disk is in, by a file's suffix (a folder format's model file too),
+    a folder's contents, or a file's first bytes; None: not an export (a model source)."""
+    p = Path(path)
+    if not p.exists():
+        return None
+    for name, fmt in FORMATS.items():
+        if p.is_file() and fmt.suffix and p.suffix.lower() == fmt.suffix:
+            return name
+        if p.is_dir() and fmt.recognizes is not None and fmt.recognizes(p):
+            return name
+    if p.is_file():
+        with open(p, "rb") as f:
+            head = f.read(16)
+        return next((name for name, fmt in FORMATS.items() if fmt.magic and head.startswith(fmt.magic)), None)
+    return None
 
 
 def format_names() -> list[str]:

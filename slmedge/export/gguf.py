@@ -29,13 +29,15 @@ from ..compress.artifact import MANIFEST
 from ..errors import OutputExistsError, UnsupportedArchitectureError
 from ..fsutil import sha256_file
 from ..models.architectures import ARCHITECTURES, Architecture, GGUFLayout
+from ..models.gguf_seal import placeholder_manifest, seal_gguf
 from .errors import ExportError, GGUFExportError, GGUFVerificationError
 from .formats import get_format, register_format
 from .gguf_hparams import add_hparams, hparam
 from .gguf_quant import (QTYPES, QType, cannot_place, check_requantized, codes_to_blocks,  # noqa: F401 - re-exported
                          llamacpp_quantize, permute_rows, unpermute_rows)
 from .gguf_vocab import add_tokenizer, model_name, pre_tokenizer_name  # noqa: F401 - re-exported
-from .inspect import MANIFEST_KEY, gguf_rows, inspect_gguf, read_gguf_manifest
+from .inspect import (MANIFEST_KEY, gguf_model_facts, gguf_rows, inspect_gguf, read_gguf_manifest,
+                      verified_gguf_manifest)
 from .source import ExportSource, iter_weights, open_export_source
 from .verify import check_logits, probe_text, source_tokenizer, torch_logits
 
@@ -156,9 +158,10 @@ def _ours(path: Path) -> bool:
 
 
 @register_format("gguf", label="GGUF", single_file=True, suffix=".gguf", complete=lambda out: Path(out).is_file(),
-                 read_manifest=read_gguf_manifest, types=tuple(QTYPES), tolerances=TOLERANCES,
+                 read_manifest=read_gguf_manifest, verified_manifest=verified_gguf_manifest, types=tuple(QTYPES), tolerances=TOLERANCES,
                  options=("keep_f16_uncoded",), error=GGUFExportError, report_rows=_report_rows,
-                 inspect=inspect_gguf, inspect_rows=gguf_rows, magic=b"GGUF")
+                 inspect=inspect_gguf, inspect_rows=gguf_rows, magic=b"GGUF", model_facts=gguf_model_facts,
+                 tokenizer="inside", type_key="qtype", torch_source=True)
 def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, verify: bool = True, *,
                 overwrite: bool = False, probe: str | None = None, n_threads: int | None = None,
                 keep_f16_uncoded: bool = False) -> dict:
@@ -303,7 +306,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         writer.add_name(model_name(src))
         extra = add_hparams(writer, src.config, src.arch, ftype if not requant else gguf.LlamaFileType.ALL_F32)
         tok_info = add_tokenizer(writer, src)
-        writer.add_string(MANIFEST_KEY, json.dumps(manifest, sort_keys=True, default=str))
+        writer.add_string(MANIFEST_KEY, json.dumps(placeholder_manifest(manifest), sort_keys=True, default=str))
         for name, data in extra:
             tensors.append((name, data, None))
             report_tensors[name] = {"type": "F32", "shape": list(data.shape), "codes_kept": False}
@@ -316,6 +319,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         if stage is not None:
             llamacpp_quantize(stage, tmp, target, n_threads)
             check_requantized(tmp, tensors, report_tensors)
+        seal_gguf(tmp)  # the file's digest and the manifest's, written into the manifest in place
         verification = None
         if verify:
             kind = target.name if target.name in ("f32", "f16") else ("kept" if has_codes and not coded_requant else

@@ -7,13 +7,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SlmedgeError
-from ..models.artifact_format import is_artifact
+from ..errors import ArtifactError, SlmedgeError
+from ..fsutil import check_seal, sha256_file
+from ..models.artifact_format import MANIFEST, is_artifact
+from ..models.gguf_seal import MANIFEST_KEY, check_gguf
 from .formats import FORMATS
 
 # Where each export keeps its manifest (what it was written from, per tensor its type and whether
-# its codes were kept): a GGUF in this metadata key, an ONNX export in this file of its folder.
-MANIFEST_KEY = "slmedge.manifest"
+# its codes were kept): a GGUF in this metadata key (MANIFEST_KEY), an ONNX export in this file of
+# its folder.
 EXPORT_MANIFEST = "slmedge-export.json"
 
 
@@ -23,26 +25,38 @@ class InspectError(SlmedgeError):
 
 def inspect_path(path) -> dict:
     """What ``path`` holds, by the first that fits: a file with a format's suffix, a folder one
-    recognizes, an artifact, a file starting with a format's magic bytes."""
+    recognizes, an artifact, a file starting with a format's magic bytes. What slmedge wrote is
+    checked against the digests it recorded first (ArtifactError when something changed)."""
     p = Path(path)
     if not p.exists():
         raise InspectError(f"{p} does not exist")
     formats = [f for f in FORMATS.values() if f.inspect is not None]
-    for fmt in formats:
-        if p.is_file() and fmt.suffix and p.suffix.lower() == fmt.suffix:
-            return fmt.inspect(p)
-    if p.is_dir():
-        for fmt in formats:
-            if fmt.recognizes is not None and fmt.recognizes(p):
-                return fmt.inspect(p)
-        if is_artifact(p):
-            return inspect_artifact(p)
-    with open(p, "rb") as f:
-        magic = f.read(max((len(fmt.magic) for fmt in formats), default=0)) if p.is_file() else b""
-    for fmt in formats:
-        if fmt.magic and magic.startswith(fmt.magic):
-            return fmt.inspect(p)
-    raise InspectError(f"{p} is not a .gguf file, an .onnx file/export directory or an slmedge artifact")
+    found = None
+    if p.is_file():
+        found = next((f for f in formats if f.suffix and p.suffix.lower() == f.suffix), None)
+        if found is None:
+            with open(p, "rb") as handle:
+                magic = handle.read(max((len(f.magic) for f in formats), default=0))
+            found = next((f for f in formats if f.magic and magic.startswith(f.magic)), None)
+    elif p.is_dir():
+        found = next((f for f in formats if f.recognizes is not None and f.recognizes(p)), None)
+        if found is None:
+            if is_artifact(p):
+                return inspect_artifact(p)
+            raise InspectError(f"{p} is a folder but neither an export nor an slmedge artifact (it has no .onnx "
+                               f"model and no {MANIFEST}); inspect takes {_what_inspect_takes(formats)}")
+    if found is None:
+        raise InspectError(f"{p} is not {_what_inspect_takes(formats)}")
+    checked = found.checked_manifest(p)
+    info = found.inspect(p)
+    info["checksums"] = "match the manifest" if checked is not None else "none recorded (not written by slmedge)"
+    return info
+
+
+def _what_inspect_takes(formats) -> str:
+    files = " or ".join(f"a {f.suffix} file" for f in formats if f.single_file)
+    folders = " or ".join(f"{f.what} ({f.suffix} file or its folder)" for f in formats if not f.single_file)
+    return ", ".join(x for x in (files, folders) if x) + " or an slmedge artifact folder"
 
 
 # --- manifests: the one reader of each ----------------------------------------------------------
@@ -65,6 +79,78 @@ def read_onnx_manifest(path) -> dict | None:
     folder = p if p.is_dir() else p.parent
     f = folder / EXPORT_MANIFEST
     return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
+
+
+def verified_gguf_manifest(path) -> dict | None:
+    """The manifest of a GGUF export after checking the file and the manifest against the digests
+    it records (ArtifactError when either changed); None: a GGUF slmedge did not write."""
+    return check_gguf(path)
+
+
+def verified_onnx_manifest(path) -> dict | None:
+    """The manifest of an ONNX export after checking it and every file it lists against their
+    sha256 (ArtifactError naming the first that changed); None: a folder slmedge did not write."""
+    p = Path(path)
+    folder = p if p.is_dir() else p.parent
+    try:
+        manifest = read_onnx_manifest(folder)
+    except ValueError as exc:
+        raise ArtifactError(f"{folder / EXPORT_MANIFEST} is not valid JSON: the export is corrupt") from exc
+    if manifest is None:
+        return None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise ArtifactError(f"{folder / EXPORT_MANIFEST} is not an slmedge export manifest")
+    check_seal(manifest, folder / EXPORT_MANIFEST, ArtifactError)
+    for name, info in sorted(manifest["files"].items()):
+        f = folder / name
+        if not f.is_file():
+            raise ArtifactError(f"the ONNX export {folder} is missing {name}")
+        if sha256_file(f) != (info or {}).get("sha256"):
+            raise ArtifactError(f"checksum mismatch for {name} in {folder}: the file was modified or is corrupt since "
+                                "slmedge wrote it; export it again")
+    return manifest
+
+
+def onnx_model_files(path) -> list[Path]:
+    """An ONNX model file and its external-data files beside it (named after it)."""
+    f = Path(path)
+    return sorted(q for q in f.parent.iterdir() if q.is_file() and q.name.startswith(f.name)) if f.is_file() else [f]
+
+
+def onnx_model_facts(path) -> dict:
+    """An ONNX model file's shape (its folder's config.json), parameters and whether it runs
+    integer kernels (MatMulNBits / MatMulInteger)."""
+    info = inspect_onnx(Path(path))
+    cfg = Path(info["path"]).parent / "config.json"
+    config = json.loads(cfg.read_text(encoding="utf-8")) if cfg.is_file() else {}
+    ops = info.get("ops", {})
+    return {"config": config, "params": info.get("params"),
+            "quantized": bool(ops.get("MatMulNBits") or ops.get("MatMulInteger"))}
+
+
+def gguf_model_facts(path) -> dict:
+    """A GGUF file's shape in the config's names, parameters and whether its weights are quantized,
+    through llama.cpp's reader (vocabulary only: fast)."""
+    from ..backends.llamacpp import vocab_only
+    from ..errors import CorruptModelError
+
+    try:
+        with vocab_only(path) as llm:
+            md = dict(llm.metadata)
+            params = int(llm._model.n_params()) if hasattr(llm, "_model") else None
+    except ValueError as exc:
+        raise CorruptModelError(f"llama.cpp cannot read {path}: not a valid GGUF model") from exc
+    arch = md.get("general.architecture", "")
+
+    def get(key):
+        value = md.get(f"{arch}.{key}")
+        return int(value) if value is not None else None
+
+    config = {"num_hidden_layers": get("block_count"), "num_attention_heads": get("attention.head_count"),
+              "num_key_value_heads": get("attention.head_count_kv"), "head_dim": get("attention.key_length"),
+              "hidden_size": get("embedding_length")}
+    return {"config": config, "params": params,
+            "quantized": str(md.get("general.file_type", "")) not in ("0", "1")}  # ALL_F32, MOSTLY_F16
 
 
 def is_onnx_folder(path: Path) -> bool:
@@ -213,7 +299,7 @@ def onnx_rows(info: dict) -> list[tuple[str, str]]:
 def inspect_artifact(path: Path) -> dict:
     from ..compress.artifact import Artifact
 
-    art = Artifact.open(path, verify=False)
+    art = Artifact.open(path)  # every file against its sha256, the manifest against its seal
     m = art.manifest
     layers = m.get("layers", {})
     coded = [e for e in layers.values() if "bits" in e]

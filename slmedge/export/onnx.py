@@ -34,11 +34,12 @@ import numpy as np
 
 from ..compress.quant import QuantSpec, pack_codes
 from ..errors import UnsupportedArchitectureError
-from ..fsutil import atomic_directory, check_output_dir, sha256_file, write_json_atomic
+from ..fsutil import atomic_directory, check_output_dir, sealed, sha256_file, write_json_atomic
 from ..models.artifact_format import manifest_path
 from .errors import ONNXExportError, ONNXVerificationError  # noqa: F401 - re-exported
 from .formats import get_format, register_format
-from .inspect import EXPORT_MANIFEST, inspect_onnx, is_onnx_folder, onnx_rows, read_onnx_manifest
+from .inspect import (EXPORT_MANIFEST, inspect_onnx, is_onnx_folder, onnx_model_facts, onnx_model_files, onnx_rows,
+                      read_onnx_manifest, verified_onnx_manifest)
 from .source import iter_weights, open_export_source
 from .verify import check_logits, compare_logits, probe_text, source_tokenizer, torch_logits
 
@@ -359,9 +360,18 @@ def _report_rows(report: dict) -> list[tuple[str, str]]:
              f"{report['requantized_by_onnxruntime']} by onnxruntime's quantizer")]
 
 
+def _model_file(path) -> Path:
+    """The .onnx file of an export folder (or the file itself)."""
+    from ..backends.ort import model_file
+
+    return model_file(path)
+
+
 @register_format("onnx", label="ONNX", noun="an ONNX export", single_file=False, suffix=".onnx",
                  folder_holds="model, config, tokenizer", default_stem="{model}-onnx-{type}",
                  complete=lambda out: (Path(out) / EXPORT_MANIFEST).is_file(), read_manifest=read_onnx_manifest,
+                 verified_manifest=verified_onnx_manifest, model_file=_model_file, model_files=onnx_model_files,
+                 model_facts=onnx_model_facts, tokenizer="beside",
                  types=ONNX_TYPES, tolerances=TOLERANCES, options=("block_size", "accuracy_level", "keep_fp32_head"),
                  error=ONNXExportError, report_rows=_report_rows, inspect=inspect_onnx, inspect_rows=onnx_rows,
                  recognizes=is_onnx_folder)
@@ -487,7 +497,9 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
             "files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
             "seconds": round(time.perf_counter() - started, 2),
         }
+        manifest = sealed(manifest)
         write_json_atomic(tmp / EXPORT_MANIFEST, manifest)
+    manifest = dict(manifest)
     manifest["path"] = str(out_dir)
     manifest["bytes"] = sum(f["bytes"] for n, f in manifest["files"].items() if n.startswith("model.onnx"))
     return manifest

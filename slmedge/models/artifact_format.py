@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from ..errors import ArtifactError
-from ..fsutil import sha256_file
+from ..fsutil import check_seal, sha256_file
 
 MANIFEST = "slmedge.json"  # written last: a directory without it is incomplete
 QUANT_FILE = "quantization.safetensors"
@@ -63,8 +63,38 @@ def open_manifest(path, verify: bool = True) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{mpath} is not an slmedge artifact manifest")
     if verify:
+        check_seal(manifest, mpath, ArtifactError)
         verify_files(path, manifest)
+        _check_layers(path, manifest)
     return manifest
+
+
+def quant_metadata(path) -> dict | None:
+    """The ``slmedge`` metadata of the artifact's quantization file (its layers' bits, group sizes,
+    shapes), read from the safetensors header alone; None when the file or the key is absent."""
+    f = Path(path) / QUANT_FILE
+    try:
+        with open(f, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            if not 0 < size <= 100 * 1024**2:
+                return None
+            header = json.loads(handle.read(size))
+    except (OSError, ValueError):
+        return None
+    meta = (header.get("__metadata__") or {}).get("slmedge") if isinstance(header, dict) else None
+    try:
+        return json.loads(meta) if meta else None
+    except ValueError:
+        return None
+
+
+def _check_layers(path: Path, manifest: dict) -> None:
+    """The manifest's per-layer facts must be those of the (checksummed) quantization file: an
+    edited manifest (bits 4 -> 8) shows here even when it predates the manifest's seal."""
+    meta = quant_metadata(path)
+    if meta is not None and "layers" in meta and meta["layers"] != manifest.get("layers"):
+        raise ArtifactError(f"{manifest_path(path)} disagrees with {QUANT_FILE} about the compressed layers "
+                            "(was the manifest edited?): the artifact cannot be trusted; compress again")
 
 
 def verify_files(path, manifest: dict) -> None:

@@ -17,7 +17,7 @@ def _is_onnx_export(path: Path) -> bool:
 
 @register_runtime("onnxruntime", export_format="onnx", suffixes=(".onnx",), recognizes=_is_onnx_export,
                   module="onnxruntime", package="onnxruntime", install="pip install onnxruntime",
-                  aliases=("ort", "onnx"))
+                  aliases=("ort", "onnx"), arm64="wheel")
 class OnnxRuntime(Runtime):
     def __init__(self, path, threads: int | None = None, providers: list[str] | None = None):
         super().__init__(threads)

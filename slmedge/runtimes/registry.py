@@ -30,6 +30,9 @@ class RuntimeSpec:
     aliases: tuple[str, ...] = ()
     kv_bytes_per_value: int = 4  # its KV cache's element size (llama.cpp: f16)
     integer_kernels: bool = True  # quantized files run integer kernels (the roofline's compute peak)
+    # How the emulated arm64 target gets it: "wheel" (its package's aarch64 wheel, in this machine's
+    # version), "build" (cross-compiled by the emulation's builder for it), "" (not there).
+    arm64: str = ""
 
     @property
     def runs_files(self) -> bool:

@@ -239,7 +239,7 @@ def _setup_wheels(root: Path, log) -> None:
     from importlib.metadata import PackageNotFoundError, version
 
     wheels = list(WHEELS)
-    for pkg in ("numpy", "onnxruntime"):  # the versions this machine runs, so outputs compare
+    for pkg in ("numpy", *(s.package for s in _arm64_runtimes("wheel"))):  # this machine's versions: outputs compare
         try:
             wheels.append(f"{pkg}=={version(pkg)}")
         except PackageNotFoundError:
@@ -307,7 +307,7 @@ def _wanted() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"setup_version": SETUP_VERSION}
-    for pkg in ("llama-cpp-python", "onnxruntime", "numpy"):
+    for pkg in (*(s.package for s in _arm64_runtimes()), "numpy"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -315,12 +315,24 @@ def _wanted() -> dict:
     return out
 
 
-RUNTIMES = ("onnxruntime", "llama.cpp")
+def _arm64_runtimes(how: str | None = None) -> list:
+    """The registered runtimes the emulated arm64 environment has (``how``: only those it installs
+    as wheels, or only those it builds)."""
+    from ..runtimes.registry import RUNTIMES
+
+    return [s for s in RUNTIMES.values() if s.arm64 and (how is None or s.arm64 == how)]
 
 
-def check_problems(versions, runtimes=RUNTIMES) -> list[str]:
+# The runtimes that are cross-compiled rather than installed, and how: runtime name -> builder.
+BUILDERS = {"llama.cpp": lambda root, log: _setup_llama_cpp(root, log)}
+
+
+def check_problems(versions, runtimes=None) -> list[str]:
     """What is wrong with the runner's ``versions`` answer for an environment that should have
-    ``runtimes``: nothing (an empty list) when it reports aarch64 and a version of each."""
+    ``runtimes`` (default: every runtime the environment has): nothing (an empty list) when it
+    reports aarch64 and a version of each."""
+    if runtimes is None:
+        runtimes = [s.name for s in _arm64_runtimes()]
     if not isinstance(versions, dict):
         return ["the runner gave no versions"]
     out = []
@@ -353,12 +365,13 @@ def setup_arm64(profile: Profile, log=print, rebuild: bool = False, llama_cpp: b
         _setup_sysroot(root, log)
     _setup_wheels(root, log)
     built = {}
-    if llama_cpp:
-        built["llama.cpp"] = _setup_llama_cpp(root, log)
+    if llama_cpp:  # the runtimes that are built (llama.cpp): skipped with --no-llama-cpp
+        for spec in _arm64_runtimes("build"):
+            built[spec.name] = BUILDERS[spec.name](root, log)
     log("precompiling the standard library and packages (host Python 3.11: same bytecode)")
     subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(root / "sysroot" / "usr" / "lib" / PYTHON),
                     str(_site(root))], capture_output=True)
-    runtimes = [rt for rt in RUNTIMES if llama_cpp or rt != "llama.cpp"]
+    runtimes = [s.name for s in _arm64_runtimes() if llama_cpp or s.arm64 != "build"]
     manifest = {"built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "qemu": qemu,
                 "qemu_cpu": profile.qemu_cpu or "neoverse-n1", "arm_arch": ARM_ARCH, "built": built,
                 "runtimes": runtimes, "wanted": _wanted() if llama_cpp else {}}

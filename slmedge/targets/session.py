@@ -20,9 +20,10 @@ def model_bytes(path: Path) -> int:
     p = Path(path)
     if p.is_dir():
         return sum(q.stat().st_size for q in p.iterdir() if q.is_file())
-    if p.suffix == ".onnx":
-        return sum(q.stat().st_size for q in p.parent.iterdir() if q.is_file() and q.name.startswith(p.name))
-    return p.stat().st_size
+    from ..export.formats import format_for_path, get_format
+
+    fmt = format_for_path(p)
+    return sum(q.stat().st_size for q in (get_format(fmt).model_files(p) if fmt else [p]))
 
 
 def check_fits(profile: Profile, path: Path, kv_bytes: int | None = None) -> None:

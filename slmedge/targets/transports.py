@@ -349,10 +349,10 @@ class SshTransport(Transport):
         work folder named after its local path; files already there with the same bytes are kept."""
         path = Path(path).resolve()
         folder = f"models/{path.parent.name}-{hashlib.sha256(str(path).encode()).hexdigest()[:10]}"
-        files = [path]
-        if path.suffix == ".onnx":
-            files += sorted(p for p in path.parent.iterdir() if p.is_file() and p.name.startswith(path.name)
-                            and p != path)
+        from ..export.formats import format_for_path, get_format
+
+        fmt = format_for_path(path)
+        files = [path] + [p for p in (get_format(fmt).model_files(path) if fmt else []) if p != path]
         for f in files:
             _safe(f.name, "model file name")
             self._ensure(f, f"{folder}/{f.name}")

@@ -1,0 +1,200 @@
+"""Everything slmedge reads back from its own outputs and caches is checked against what it recorded.
+
+A flipped byte in an export's model file, an edited manifest (bits 4 -> 8), a changed file in the
+cache: each is refused on read (outputs) or rebuilt (caches), and nothing is evaluated or recorded
+from it.
+"""
+
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import one_line_error
+
+from slmedge.cli import app
+from slmedge.errors import ArtifactError
+from slmedge.export.formats import get_format
+from slmedge.fsutil import SEAL_KEY, check_seal, manifest_digest, sealed, sha256_file
+from slmedge.models.gguf_seal import FILE_KEY, check_gguf
+
+runner = CliRunner()
+EVAL = ["--metrics", "perplexity", "--langs", "", "--no-wikitext", "--seqlen", "32", "--ppl-windows", "1"]
+
+
+def flip(path: Path, at: int | None = None) -> None:
+    """Flip one bit of one byte (by default, one three quarters of the way in)."""
+    data = bytearray(path.read_bytes())
+    i = len(data) * 3 // 4 if at is None else at
+    data[i] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def runs_recorded(db: Path) -> int:
+    if not db.exists() or db.stat().st_size == 0:
+        return 0
+    with sqlite3.connect(db) as con:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        return con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] if "runs" in tables else 0
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_text(" ".join(["The quick brown fox jumps over the lazy dog."] * 40), encoding="utf-8")
+    return f
+
+
+# --- the seal -------------------------------------------------------------------------------------
+
+
+def test_a_seal_covers_every_value_and_survives_a_round_trip():
+    m = sealed({"format": "x", "layers": {"a": {"bits": 4}}, "path": Path("/x"), "f": 0.1})
+    again = json.loads(json.dumps(m, default=str))
+    check_seal(again, "m")  # as written and read back: the same digest
+    assert m[SEAL_KEY] == manifest_digest(again)
+    again["layers"]["a"]["bits"] = 8
+    with pytest.raises(Exception, match="was changed after slmedge wrote it"):
+        check_seal(again, "m")
+    del again[SEAL_KEY]
+    check_seal(again, "m")  # unsealed (written before seals): nothing to compare
+
+
+# --- artifacts --------------------------------------------------------------------------------------
+
+
+def _edit(path: Path, change) -> None:
+    m = json.loads(path.read_text())
+    change(m)
+    path.write_text(json.dumps(m, indent=2, sort_keys=True))
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda m: m["layers"][next(iter(m["layers"]))].update(bits=8), "was changed after slmedge wrote it"),
+    (lambda m: m["recipe"].update(bits=8), "was changed after slmedge wrote it"),
+    # Written before manifests were sealed: the quantization file's own record still shows the edit.
+    (lambda m: (m.pop(SEAL_KEY), m["layers"][next(iter(m["layers"]))].update(bits=8)), "disagrees with"),
+])
+def test_an_edited_artifact_manifest_is_refused_everywhere(change, words, artifacts, tmp_path, corpus):
+    art = tmp_path / "art"
+    shutil.copytree(artifacts("llama", "gptq"), art)
+    assert SEAL_KEY in json.loads((art / "slmedge.json").read_text())
+    _edit(art / "slmedge.json", change)
+    db = tmp_path / "db.sqlite"
+    one_line_error(runner.invoke(app, ["inspect", str(art)]), words)
+    one_line_error(runner.invoke(app, ["evaluate", str(art), *EVAL, "--corpus", str(corpus), "--results-db", str(db)]),
+                   words)
+    one_line_error(runner.invoke(app, ["export", str(art), "--format", "gguf", "-o", str(tmp_path / "m.gguf")]), words)
+    assert runs_recorded(db) == 0 and not (tmp_path / "m.gguf").exists()
+
+
+def test_an_unchanged_artifact_opens(artifacts):
+    r = runner.invoke(app, ["inspect", str(artifacts("llama", "gptq")), "--json"])
+    assert r.exit_code == 0, r.output
+
+
+# --- exports ----------------------------------------------------------------------------------------
+
+
+def test_a_flipped_byte_in_an_onnx_export_is_refused(exports, tmp_path, corpus):
+    folder = tmp_path / "onnx"
+    shutil.copytree(exports["onnxruntime"], folder)
+    assert json.loads(inspect_json(folder))["checksums"] == "match the manifest"
+    flip(folder / "model.onnx")
+    db = tmp_path / "db.sqlite"
+    r = runner.invoke(app, ["evaluate", str(folder), *EVAL, "--corpus", str(corpus), "--results-db", str(db)])
+    one_line_error(r, "checksum mismatch for model.onnx", str(folder))
+    assert runs_recorded(db) == 0
+    one_line_error(runner.invoke(app, ["inspect", str(folder)]), "checksum mismatch for model.onnx")
+    assert not get_format("onnx").reusable(folder)
+
+
+def test_an_edited_onnx_manifest_is_refused(exports, tmp_path, corpus):
+    folder = tmp_path / "onnx"
+    shutil.copytree(exports["onnxruntime"], folder)
+    _edit(folder / "slmedge-export.json", lambda m: m.update(type="int4"))
+    r = runner.invoke(app, ["evaluate", str(folder), *EVAL, "--corpus", str(corpus),
+                            "--results-db", str(tmp_path / "db.sqlite")])
+    one_line_error(r, "slmedge-export.json was changed after slmedge wrote it")
+
+
+def inspect_json(path) -> str:
+    r = runner.invoke(app, ["inspect", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+def test_a_gguf_export_carries_its_own_checksum(exports, tmp_path, corpus):
+    src = Path(exports["llama.cpp"])
+    manifest = check_gguf(src)
+    assert len(manifest[FILE_KEY]) == 64 and manifest[FILE_KEY] != "0" * 64
+    assert json.loads(inspect_json(src))["checksums"] == "match the manifest"
+    data = src.read_bytes()
+    # A byte in the tensor data; a byte of a metadata value before the manifest (a token's text, so
+    # the file still parses and only the digest can tell).
+    cases = {"tensors": len(data) - 100, "metadata": data.index(b"<pad>") + 3}
+    for name, at in cases.items():
+        copy = tmp_path / f"{name}.gguf"
+        shutil.copyfile(src, copy)
+        flip(copy, at)
+        with pytest.raises(ArtifactError):
+            check_gguf(copy)
+        db = tmp_path / f"{name}.sqlite"
+        r = runner.invoke(app, ["evaluate", str(copy), *EVAL, "--corpus", str(corpus), "--results-db", str(db)])
+        assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+        assert str(copy) in r.output
+        assert runs_recorded(db) == 0
+    edited = tmp_path / "edited.gguf"
+    assert data.count(b'"qtype": "f32"') == 1
+    edited.write_bytes(data.replace(b'"qtype": "f32"', b'"qtype": "q80"'))  # same length: no offset moves
+    one_line_error(runner.invoke(app, ["inspect", str(edited)]), "was changed after slmedge wrote it")
+
+
+def test_a_gguf_slmedge_did_not_write_has_nothing_to_check(tmp_path):
+    import gguf
+
+    bare = tmp_path / "bare.gguf"
+    w = gguf.GGUFWriter(str(bare), "llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert check_gguf(bare) is None
+
+
+# --- caches -----------------------------------------------------------------------------------------
+
+
+def test_a_changed_cached_export_is_written_again(tiny_models, tmp_path, corpus, session_cache):
+    model = tiny_models("llama")
+    args = ["evaluate", str(model), "--runtime", "onnxruntime", *EVAL, "--corpus", str(corpus)]
+    r = runner.invoke(app, [*args, "--json", str(tmp_path / "a.json"), "--results-db", str(tmp_path / "db")])
+    assert r.exit_code == 0, r.output
+    cached = json.loads((tmp_path / "a.json").read_text())["identity"]["path"]
+    onnx_file = Path(cached)
+    assert onnx_file.is_file() and str(session_cache) in str(onnx_file)
+    flip(onnx_file)
+    r = runner.invoke(app, [*args, "--json", str(tmp_path / "b.json"), "--results-db", str(tmp_path / "db")])
+    assert r.exit_code == 0, r.output
+    assert get_format("onnx").reusable(onnx_file.parent)  # written again, not evaluated as it was
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    assert a["metrics"]["perplexity"] == b["metrics"]["perplexity"]
+
+
+def test_a_changed_cached_gguf_import_is_converted_again(exports, tmp_path, capsys):
+    from slmedge.models.source import SOURCE_FILE, gguf_to_hf_dir
+
+    gguf_path = tmp_path / "m.gguf"
+    shutil.copyfile(exports["llama.cpp"], gguf_path)
+    dest = gguf_to_hf_dir(gguf_path)
+    record = json.loads((dest / SOURCE_FILE).read_text())
+    assert "model.safetensors" in record["files"]
+    weights = dest / "model.safetensors"
+    good = sha256_file(weights)
+    flip(weights)
+    assert gguf_to_hf_dir(gguf_path) == dest
+    assert sha256_file(weights) == good
+    assert "converting it again" in capsys.readouterr().err
