@@ -92,36 +92,21 @@ def _projection(prof, model: str, context: int) -> dict:
 
     from ..errors import ConfigError
     from ..evaluate.system import kv_cache_bytes
+    from ..export.formats import FORMATS, format_for_path, get_format
+    from ..runtimes.registry import RUNTIMES
     from ..targets.roofline import roofline, set_against
     from ..targets.session import model_bytes
 
     path = Path(model)
-    if not path.is_file() or path.suffix not in (".gguf", ".onnx"):
-        raise ConfigError(f"--model takes a .gguf or .onnx file; {model} is not one")
-    if path.suffix == ".gguf":
-        from ..backends.llamacpp import gguf_metadata
-
-        md = gguf_metadata(path)
-        arch = md.get("general.architecture", "")
-        get = lambda k: int(md[f"{arch}.{k}"]) if f"{arch}.{k}" in md else None  # noqa: E731
-        config = {"num_hidden_layers": get("block_count"), "num_attention_heads": get("attention.head_count"),
-                  "num_key_value_heads": get("attention.head_count_kv"), "head_dim": get("attention.key_length"),
-                  "hidden_size": get("embedding_length")}
-        from ..models.gguf_check import vocab_only
-
-        with vocab_only(path) as llm:
-            params = int(llm._model.n_params()) if hasattr(llm, "_model") else None
-        ftype = str(md.get("general.file_type", ""))
-        integer = ftype not in ("0", "1")  # ALL_F32, MOSTLY_F16
-        kv = kv_cache_bytes(config, 1, 2)
-    else:
-        from ..export.inspect import inspect_onnx
-
-        info = inspect_onnx(path)
-        params = info.get("params")
-        cfg = path.parent / "config.json"
-        kv = kv_cache_bytes(json.loads(cfg.read_text()), 1, 4) if cfg.is_file() else None
-        integer = "MatMulNBits" in json.dumps(info.get("ops", {})) or "MatMulInteger" in json.dumps(info.get("ops", {}))
+    fmt = format_for_path(path) if path.is_file() else None
+    if fmt is None or get_format(fmt).model_facts is None:
+        takes = " or ".join(f.suffix for f in FORMATS.values() if f.model_facts is not None and f.suffix)
+        raise ConfigError(f"--model takes a model file ({takes}); {model} is not one")
+    facts = get_format(fmt).model_facts(path)
+    params, integer = facts.get("params"), bool(facts.get("quantized"))
+    # The KV cache in the element size of the runtime that runs this format (llama.cpp: f16).
+    runtime = next((s for s in RUNTIMES.values() if s.export_format == fmt), None)
+    kv = kv_cache_bytes(facts.get("config") or {}, 1, runtime.kv_bytes_per_value if runtime else 4)
     bounds = roofline(prof, model_bytes(path), kv, params, context, integer)
     out = set_against(bounds, None, None, measured=False)
     out["model"] = path.name

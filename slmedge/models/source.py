@@ -216,10 +216,10 @@ def load(
     if source.kind == "embedded":
         gguf_path = embedded_gguf_path(source.spec)
         hf_dir = gguf_to_hf_dir(gguf_path, verify=verify_gguf)
-        identity = {"kind": "embedded", "name": source.spec, "gguf": gguf_path.name, **_read_source_file(hf_dir)}
+        identity = {"kind": "embedded", "name": source.spec, "gguf": gguf_path.name, **_source_identity(hf_dir)}
     elif source.kind == "gguf":
         hf_dir = gguf_to_hf_dir(source.path, verify=verify_gguf)
-        identity = {"kind": "gguf", "path": str(source.path), **_read_source_file(hf_dir)}
+        identity = {"kind": "gguf", "path": str(source.path), **_source_identity(hf_dir)}
     elif source.kind == "artifact":
         manifest = open_manifest(source.path)  # checks every checksum
         hf_dir = source.path
@@ -290,6 +290,11 @@ def weights_digest(hf_dir: Path) -> str:
         digest.update(f.name.encode())
         digest.update(sha256_file(f).encode())
     return digest.hexdigest()
+
+
+def _source_identity(hf_dir: Path) -> dict:
+    """What a cached GGUF import records about its source (its files' checksums left out)."""
+    return {k: v for k, v in _read_source_file(hf_dir).items() if k != "files"}
 
 
 def _read_source_file(hf_dir: Path) -> dict:
@@ -390,11 +395,19 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf_path = Path(gguf_path)
+    from .gguf_seal import check_gguf
+
+    check_gguf(gguf_path)  # a GGUF slmedge wrote: unchanged since (a foreign one has nothing to check)
     digest = sha256_file(gguf_path)
     # The embedded default and its file share it. "-2": conversions that keep the file's BOS flag.
     dest = cache_dir() / "models" / f"gguf-{digest[:16]}-2"
     if (dest / SOURCE_FILE).is_file():
-        return dest
+        if _cache_intact(dest):
+            return dest
+        import sys
+
+        print(f"note: the cached import of {gguf_path.name} in {dest} was changed or is incomplete; converting it "
+              "again", file=sys.stderr)
     try:
         config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:
@@ -428,8 +441,30 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     with atomic_directory(dest, overwrite=True) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        record["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         write_json_atomic(tmp / SOURCE_FILE, record)
     return dest
+
+
+_INTACT: dict = {}  # cache folder -> the files' (name, size, mtime) when last found intact in this process
+
+
+def _cache_intact(dest: Path) -> bool:
+    """Whether a cached GGUF import still holds exactly the files its record lists (sha256 each)."""
+    record = _read_source_file(dest)
+    files = record.get("files")
+    if not isinstance(files, dict) or not files:
+        return False  # written before records listed files, or damaged: convert again
+    try:
+        stamp = tuple((n, (dest / n).stat().st_size, (dest / n).stat().st_mtime_ns) for n in sorted(files))
+    except OSError:
+        return False
+    if _INTACT.get(dest) == stamp:
+        return True
+    if any(sha256_file(dest / n) != h for n, h in files.items()):
+        return False
+    _INTACT[dest] = stamp
+    return True
 
 
 def _keep_bos_flag(tokenizer, gguf_path: Path) -> None:
