@@ -118,18 +118,16 @@ def _gguf_ours(fmt, path: Path) -> bool:
 
 
 def _fresh(gguf_path: Path, artifact: Path) -> bool:
-    """An export newer than the artifact's manifest, written from it (the GGUF's manifest says so)."""
-    import json
+    """An export of exactly this artifact and unchanged since it was written: the file matches the
+    digest its manifest records, and the manifest names the artifact's manifest by its sha256."""
+    from ..export.formats import get_format
+    from ..fsutil import sha256_file
 
-    from ..backends.llamacpp import gguf_metadata
-
-    if not gguf_path.is_file() or gguf_path.stat().st_mtime < manifest_path(artifact).stat().st_mtime:
+    fmt = get_format("gguf")
+    if not gguf_path.is_file() or not fmt.reusable(gguf_path):
         return False
-    try:
-        manifest = json.loads(gguf_metadata(gguf_path).get("slmedge.manifest", "{}"))
-        return manifest.get("source") == str(artifact)
-    except Exception:  # noqa: BLE001 - an unreadable file is rewritten
-        return False
+    manifest = fmt.checked_manifest(gguf_path)
+    return manifest.get("source_manifest_sha256") == sha256_file(manifest_path(artifact))
 
 
 def _print_side_by_side(rows, recipe) -> None:
