@@ -101,6 +101,7 @@ def test_a_changed_corpus_task_or_calibration_file_reruns_only_the_jobs_that_rea
     _rewrite(files["overlay"] / "perplexity" / "ntrex128" / "en.txt", TEXT + "A new last sentence. ")
     counts = _run(f, store, files)
     assert _ran(counts) == {"evaluate": 3} and counts["already_done"] == 2
+    assert counts["inputs_changed"] == {"evaluate": 3}
     assert _out_of_grid(store) == [("evaluate", 3)]  # the old results stay recorded, out of the grid
 
     # The task file: again only the evaluations.
@@ -132,8 +133,11 @@ def test_a_changed_model_folder_reruns_everything_from_it_and_nothing_else(tmp_p
     assert _ran(_run(f, store, files)) == {}
     config = a / "config.json"
     _rewrite(config, config.read_text() + "\n")  # the same model, other bytes: a changed input all the same
-    counts = _run(f, store, files)
-    assert _ran(counts) == {"compress": 1, "evaluate": 2} and counts["already_done"] == 3  # model-b's reused
+    res = runner.invoke(app, ["study", str(f), "--results-db", str(store.path), "--data-dir", str(files["overlay"])])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert ("3 job(s) run, 3 of them because what they read changed since they last ran (1 compress, 2 evaluate; "
+            "the earlier results are kept, out of the grid), 3 already done") in text, text  # model-b's reused
     with sqlite3.connect(store.path) as con:
         stale = con.execute("SELECT labels FROM study_jobs WHERE in_grid = 0").fetchall()
     assert len(stale) == 3 and {json.loads(s)["model"] for (s,) in stale} == {str(a)}

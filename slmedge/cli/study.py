@@ -76,6 +76,10 @@ def study_command(
         extra = f", {counts['rebuilt']} of them rebuilt (their output was gone)" if counts["rebuilt"] else ""
         if counts["discarded_bytes"]:
             extra += f", {counts['discarded_bytes'] / 1e9:.2f} GB of artifacts no job needs any more discarded"
+        if counts.get("inputs_changed"):
+            extra += (f", {sum(counts['inputs_changed'].values())} of them because what they read changed since "
+                      "they last ran (" + ", ".join(f"{n} {k}" for k, n in counts["inputs_changed"].items())
+                      + "; the earlier results are kept, out of the grid)")
         console.print(f"study {study.name}: {counts['ran']} job(s) run{extra}, {counts['already_done']} already done, "
                       f"{counts['reused']} adopted from disk, in {counts['seconds']:.0f} s ({per_min:.1f} jobs/min); "
                       f"results in {store.path} — slmedge report --study {study.name} -o report.html")

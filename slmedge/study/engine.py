@@ -50,6 +50,20 @@ class StudyStore:
                     (study, j.id, j.kind, json.dumps(j.spec, sort_keys=True), json.dumps(j.labels, sort_keys=True),
                      json.dumps(j.deps)))
 
+    def changed_inputs(self, study: str, jobs: list[Job]) -> dict[str, int]:
+        """Per kind, the finished jobs of the grid as last registered that ``jobs`` asks for again
+        (the same kind and labels: the same cell of the grid) under another id: their inputs (a
+        model, a data file, a profile, a version) changed since. Call before ``register``."""
+        ids = {j.id for j in jobs}
+        cells = {(j.kind, json.dumps(j.labels, sort_keys=True)) for j in jobs}
+        out: dict[str, int] = {}
+        for job_id, kind, labels in self.db.execute(
+                "SELECT job_id, kind, labels FROM study_jobs WHERE study = ? AND in_grid = 1 AND status = 'done'",
+                (study,)):
+            if job_id not in ids and (kind, labels) in cells:
+                out[kind] = out.get(kind, 0) + 1
+        return {k: out[k] for k in ("compress", "export", "evaluate") if k in out}
+
     def finished(self, study: str) -> dict[str, dict]:
         rows = self.db.execute("SELECT job_id, output, run_id FROM study_jobs WHERE study = ? AND status = 'done'",
                                (study,))
@@ -255,7 +269,7 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
     """Run every job of ``study`` not yet finished in ``store``; returns counts (``ran_by_kind``: the
     jobs run, per kind). A job is identified by its settings and its inputs' content: one whose
     model, data, target profile or versions changed since it finished is a new job and runs; its
-    old result stays in the store, out of the grid.
+    old result stays in the store, out of the grid (``inputs_changed``: how many, per kind).
 
     ``discard_artifacts``: delete each compressed model and export once every job of the grid
     that needs it has finished (results stay in the store; a job added later that needs one
@@ -266,6 +280,7 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
     jobs = build_jobs(study, wd, data_dir)  # each identified by its settings and its inputs' content
     wd.mkdir(parents=True, exist_ok=True)  # (after: a missing input leaves nothing behind)
     ss = StudyStore(store)
+    changed = ss.changed_inputs(study.name, jobs)
     ss.register(study.name, jobs)
     done = ss.finished(study.name)
     by_id = {j.id: j for j in jobs}
@@ -276,7 +291,7 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
     remaining = [j for j in jobs if j.id not in done]
     counts = {"jobs": len(jobs), "already_done": sum(1 for j in jobs if j.id in done), "ran": 0, "reused": 0,
               "failed": 0, "blocked": 0, "rebuilt": len(rebuild), "discarded_bytes": 0,
-              "ran_by_kind": {"compress": 0, "export": 0, "evaluate": 0}}
+              "ran_by_kind": {"compress": 0, "export": 0, "evaluate": 0}, "inputs_changed": changed}
     dependents: dict[str, set[str]] = {}
     for j in jobs:
         for d in j.deps:

@@ -144,7 +144,7 @@ def package_version(dist: str) -> str | None:
 def versions(packages, source: str | None = None) -> dict:
     """{package: version} of ``packages`` (None when absent), and slmedge's source digest (``source``:
     one computed already)."""
-    out = {p: package_version(p) for p in sorted(set(packages))}
+    out = {p.replace("-", "_"): package_version(p) for p in sorted(set(packages))}
     out["slmedge"] = source or slmedge_digest()
     return out
 
