@@ -49,6 +49,7 @@ class ExportFormat:
     # A format without it has only ``read_manifest`` (nothing recorded to check against).
     verified_manifest: Callable[[Path], dict | None] | None = None
     options: tuple[str, ...] = ()  # export()'s format-specific keyword arguments the writer takes
+    packages: tuple[str, ...] = ()  # pip distributions its writer uses (a study's exports are rerun on a new version)
     error: type = ExportError  # what the writer raises when it cannot write as asked
     noun: str = ""  # how messages name one export (default "a <label> export")
     folder_holds: str = ""  # a folder format: what is in it (for the message refusing a file name)

@@ -30,8 +30,8 @@ from ..errors import DataError, ModelNotFoundError
 
 # Packages whose code makes every job's numbers (loading a model, tokenizing, the reference in torch).
 TORCH_STACK = ("torch", "transformers", "safetensors", "numpy")
-# Writer libraries of the file formats, used when a format does not say which it uses
-# (``ExportFormat.packages``): every file export and its evaluations then count all of them.
+# Writer libraries of the file formats, used while a format names none (``ExportFormat.packages``,
+# empty for GGUF and ONNX so far): every file export and its evaluations then count all of them.
 FILE_FORMAT_PACKAGES = ("gguf", "onnx", "optimum")
 # A model source read from a GGUF file (a .gguf, an embedded model) is converted with this package.
 GGUF_READER = ("gguf",)
@@ -155,7 +155,7 @@ def format_packages(fmt: str) -> tuple[str, ...]:
     from ..export.formats import get_format
     from ..runtimes.registry import RUNTIMES
 
-    writer = tuple(getattr(get_format(fmt), "packages", ()) or FILE_FORMAT_PACKAGES)
+    writer = tuple(get_format(fmt).packages or FILE_FORMAT_PACKAGES)
     runtimes = tuple(r.package for r in RUNTIMES.values() if r.export_format == fmt and r.package)
     return writer + runtimes
 
