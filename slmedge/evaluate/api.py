@@ -173,13 +173,47 @@ class Evaluation:
             self.results["notes"].append(f"target {self.profile.name} is emulated (qemu): its timings are not device "
                                          "latency; the roofline figures are projections")
         self.run_id = None
-        if store is not None:
-            self.run_id = store.start_run(self.sub.label, self.sub.identity.get("sha256"), rt.name, rt.threads,
-                                          self.profile.name, versions, asdict(settings), emulated=self.emulated)
-            self.results["run_id"] = self.run_id
         self._task_scores: dict[str, list] = {}
+        self._corpus_texts: dict[str, str] | None = None
+        # A run is recorded once every input that can be wrong has been read (``run``): a bad
+        # corpus or task file leaves no run behind.
+        self._run_args = ((self.sub.label, self.sub.identity.get("sha256"), rt.name, rt.threads, self.profile.name,
+                           versions, asdict(settings)), {"emulated": self.emulated})
 
     # --- bookkeeping --------------------------------------------------------------------------
+
+    def check_inputs(self) -> None:
+        """Read every input file the chosen metrics need (corpora, task files), so that one that is
+        missing, empty or malformed fails before a run is recorded."""
+        if getattr(self, "_inputs_checked", False):
+            return
+        s = self.settings
+        if "perplexity" in s.metrics:
+            for f in s.corpora:
+                if not load_corpus(f, s.data_dir).strip():
+                    raise DataError(f"the corpus {f} is empty: no text to score")
+            self._corpus_texts = _corpora(s)
+        if "tasks" in s.metrics:
+            from .tasks import load_task
+
+            for task in s.task_list():
+                load_task(task, s.data_dir, s.limit)
+        self._inputs_checked = True
+
+    def _record_run(self) -> None:
+        if self.store is None or self.run_id is not None:
+            return
+        args, kwargs = self._run_args
+        # A store that knows run statuses records the run as running until it ends; the study's
+        # row recorder (and any store without them) takes the one-shot start_run.
+        begin = getattr(self.store, "begin_run", None)
+        self.run_id = (begin or self.store.start_run)(*args, **kwargs)
+        self._ends_run = begin is not None
+        self.results["run_id"] = self.run_id
+
+    def _end_run(self, error: str | None) -> None:
+        if self.run_id is not None and getattr(self, "_ends_run", False):
+            self.store.end_run(self.run_id, error)
 
     def _row(self, metric, value, subset="", stderr=None, unit=None, extra=None):
         if self.store is not None:
@@ -193,10 +227,19 @@ class Evaluation:
 
     def run(self) -> dict:
         order = [m for m in METRICS if m in self.settings.metrics]
+        self.check_inputs()
+        self._record_run()
         try:
             for metric in order:
                 METRICS[metric](self)
                 self._save()
+        except BaseException as exc:  # the run is marked failed (an interrupt included); what finished is kept
+            reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
+                (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
+            self._end_run(reason)
+            raise
+        else:
+            self._end_run(None)
         finally:
             self.results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             self._save()
@@ -208,7 +251,7 @@ class Evaluation:
 
         s = self.settings
         out = self.results["metrics"].setdefault("perplexity", {})
-        for name, text in _corpora(s).items():
+        for name, text in (self._corpus_texts or _corpora(s)).items():
             res, _ = runtime_perplexity(self.sub.runtime, self.sub.encoder, text, s.seqlen, s.stride, s.ppl_windows,
                                         self.progress, f"perplexity {name}")
             out[name] = res.to_dict()

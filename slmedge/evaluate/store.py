@@ -2,9 +2,16 @@
 
 Path: ``--results-db``, else ``$SLMEDGE_RESULTS_DB``, else ``<user data dir>/slmedge/results.sqlite``.
 Every row carries its run (model, artifact hash, runtime, threads, target, versions), and rows are
-committed as each metric finishes, so an interrupted evaluation keeps what it finished.
+committed as each metric finishes, so an interrupted evaluation keeps what it finished. A run has
+a status: ``running`` while it is measured, ``done`` once every metric finished, ``failed`` (with
+the error) when it stopped; readers take ``done`` runs unless asked for the others.
+
 Migrations are applied in order and recorded by name; a database written by a newer slmedge
-(with migrations this one does not know) is refused rather than altered.
+(with migrations this one does not know) is refused rather than altered. A file that is not an
+slmedge store (a text file, another program's SQLite database) is refused before anything is
+written to it, so it is left byte for byte as it was. Opened with ``readonly=True`` (``slmedge
+report``) the file is opened read-only and never created or upgraded: a store written by an
+older slmedge is read through an upgraded copy in memory.
 """
 
 from __future__ import annotations
@@ -76,11 +83,28 @@ MIGRATIONS: list[tuple[str, str]] = [
     ("0003_study_jobs_in_grid", """
         ALTER TABLE study_jobs ADD COLUMN in_grid INTEGER NOT NULL DEFAULT 1;
     """),
+    # A run is 'running' while measured, 'done' when every metric finished, 'failed' (with its
+    # error) when it stopped. Runs recorded before this migration were only ever written by
+    # evaluations, so they read as done.
+    ("0004_run_status", """
+        ALTER TABLE runs ADD COLUMN status TEXT NOT NULL DEFAULT 'done'
+            CHECK (status IN ('running', 'done', 'failed'));
+        ALTER TABLE runs ADD COLUMN error TEXT;
+        ALTER TABLE runs ADD COLUMN finished_at TEXT;
+    """),
 ]
+
+RUN_STATUSES = ("running", "done", "failed")
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+# Tables each migration creates: a database claiming a migration must hold its tables.
+_TABLES = {"0001_runs_and_results": {"runs", "results"}, "0002_study_jobs": {"study_jobs", "study_events"}}
 
 
 class ResultsStoreError(SlmedgeError):
-    """The results database cannot be opened or is newer than this slmedge."""
+    """The results database is missing, is not an slmedge store, cannot be opened, is newer than
+    this slmedge, or holds nothing of what was asked."""
+
+    exit_code = 1
 
 
 def default_path() -> Path:
@@ -88,23 +112,116 @@ def default_path() -> Path:
     return Path(env).expanduser() if env else Path(user_data_dir("slmedge")) / "results.sqlite"
 
 
+def _foreign(path: Path, why: str) -> ResultsStoreError:
+    return ResultsStoreError(f"{path} is not an slmedge results store ({why}); it was left untouched: "
+                             "give another results store")
+
+
+def inspect_file(path: Path) -> list[str] | None:
+    """What ``path`` holds, read without writing anything: None when it is missing or empty (a
+    store may be created there), else the migrations slmedge applied to it. A file that is not an
+    slmedge store raises :class:`ResultsStoreError`, and is not modified."""
+    if not path.exists():
+        return None
+    if path.is_dir():
+        raise ResultsStoreError(f"{path} is a directory, not an slmedge results store")
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(len(_SQLITE_MAGIC))
+    except OSError as exc:
+        raise ResultsStoreError(f"cannot read the results store {path}: {exc.strerror or exc}") from exc
+    if not head:
+        return None
+    if head != _SQLITE_MAGIC:
+        raise _foreign(path, "not an SQLite database")
+    try:
+        con = sqlite3.connect(_ro_uri(path), uri=True, timeout=60)
+    except sqlite3.Error as exc:
+        raise ResultsStoreError(f"cannot open the results store {path}: {exc}") from exc
+    try:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                  if not r[0].startswith("sqlite_")}
+        if "migrations" not in tables:
+            raise _foreign(path, "an SQLite database without slmedge's migrations table")
+        columns = {r[1] for r in con.execute("PRAGMA table_info(migrations)")}
+        if columns != {"name", "applied_at"}:
+            raise _foreign(path, "its migrations table is not slmedge's")
+        applied = [r[0] for r in con.execute("SELECT name FROM migrations ORDER BY rowid")]
+    except sqlite3.DatabaseError as exc:
+        raise _foreign(path, f"SQLite cannot read it: {exc}") from exc
+    finally:
+        con.close()
+    known = [name for name, _ in MIGRATIONS]
+    if not applied:
+        # slmedge creates the migrations table, then the first migration: a crash between leaves this.
+        if tables - {"migrations"}:
+            raise _foreign(path, "an SQLite database with tables of its own and no slmedge migration")
+        return applied
+    if known[0] not in applied:
+        raise _foreign(path, f"its migrations ({', '.join(applied[:3])}) are not slmedge's")
+    unknown = [a for a in applied if a not in known]
+    if unknown:
+        raise ResultsStoreError(f"{path} was written by a newer slmedge (migration {sorted(unknown)[-1]}); "
+                                "upgrade slmedge or use another --results-db")
+    missing = set().union(*(_TABLES.get(a, set()) for a in applied)) - tables
+    if missing:
+        raise _foreign(path, f"its migrations are slmedge's but its tables {', '.join(sorted(missing))} are gone")
+    return applied
+
+
+def _ro_uri(path: Path) -> str:
+    return path.resolve().as_uri() + "?mode=ro"
+
+
 class ResultsStore:
-    def __init__(self, path: Path | str | None = None):
+    """The store at ``path`` (default: ``default_path()``).
+
+    ``readonly=False`` (evaluate, study, run): a missing or empty file becomes a new store and an
+    older store is upgraded in place. ``readonly=True`` (report): the file must already be an
+    slmedge store; it is opened read-only and nothing is ever written to it."""
+
+    def __init__(self, path: Path | str | None = None, readonly: bool = False):
         self.path = Path(path).expanduser() if path else default_path()
+        self.readonly = readonly
+        applied = inspect_file(self.path)  # refuses what is not ours before anything is written
+        if readonly:
+            if applied is None:
+                what = "is empty" if self.path.exists() else "does not exist"
+                raise ResultsStoreError(f"no results store at {self.path} (the file {what}); nothing was created")
+            self._open_readonly(applied)
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(str(self.path), timeout=60)
         except (OSError, sqlite3.Error) as exc:
             raise ResultsStoreError(f"cannot open the results store {self.path}: {exc}") from exc
         try:
-            self._migrate()
+            self._migrate(self.db)
         except sqlite3.DatabaseError as exc:
             self.db.close()
-            raise ResultsStoreError(f"{self.path} is not an slmedge results database ({exc})") from exc
+            raise ResultsStoreError(f"cannot write the results store {self.path} ({exc})") from exc
 
-    def _migrate(self) -> None:
-        self.db.execute("CREATE TABLE IF NOT EXISTS migrations (name TEXT PRIMARY KEY, applied_at TEXT NOT NULL)")
-        applied = {row[0] for row in self.db.execute("SELECT name FROM migrations")}
+    def _open_readonly(self, applied: list[str]) -> None:
+        try:
+            disk = sqlite3.connect(_ro_uri(self.path), uri=True, timeout=60)
+        except sqlite3.Error as exc:
+            raise ResultsStoreError(f"cannot open the results store {self.path}: {exc}") from exc
+        if len(applied) == len(MIGRATIONS):
+            self.db = disk
+            return
+        # An older store: read an upgraded copy, leave the file as it is.
+        try:
+            self.db = sqlite3.connect(":memory:")
+            disk.backup(self.db)
+            self._migrate(self.db)
+        except sqlite3.Error as exc:
+            raise ResultsStoreError(f"cannot read the results store {self.path}: {exc}") from exc
+        finally:
+            disk.close()
+
+    def _migrate(self, db) -> None:
+        db.execute("CREATE TABLE IF NOT EXISTS migrations (name TEXT PRIMARY KEY, applied_at TEXT NOT NULL)")
+        applied = {row[0] for row in db.execute("SELECT name FROM migrations")}
         known = {name for name, _ in MIGRATIONS}
         unknown = applied - known
         if unknown:
@@ -114,20 +231,51 @@ class ResultsStore:
             if name in applied:
                 continue
             # The migration and its record in one transaction: a crash leaves neither.
-            self.db.executescript(f"BEGIN; {sql}; INSERT INTO migrations VALUES ('{name}', '{_now()}'); COMMIT;")
+            db.executescript(f"BEGIN; {sql}; INSERT INTO migrations VALUES ('{name}', '{_now()}'); COMMIT;")
+
+    def _writable(self) -> None:
+        if self.readonly:
+            raise ResultsStoreError(f"the results store {self.path} was opened read-only")
+
+    # --- runs ---------------------------------------------------------------------------------
 
     def start_run(self, model: str, artifact_sha256: str | None, runtime: str, threads: int, target: str,
-                  versions: dict, settings: dict, emulated: bool = False) -> int:
+                  versions: dict, settings: dict, emulated: bool = False, status: str = "done") -> int:
+        """Record a run whose rows follow. As before run statuses existed, the run counts as done
+        (the study engine replays a finished evaluation's rows through here); an evaluation that
+        is still being measured is recorded with ``begin_run`` and ended with ``end_run``."""
+        self._writable()
+        if status not in RUN_STATUSES:
+            raise ValueError(f"run status must be one of {RUN_STATUSES}, not {status!r}")
         with self.db:
             cur = self.db.execute(
                 "INSERT INTO runs (started_at, model, artifact_sha256, runtime, threads, target, emulated, versions, "
-                "settings) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "settings, status, finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (_now(), model, artifact_sha256, runtime, threads, target, int(emulated),
-                 json.dumps(versions, sort_keys=True), json.dumps(settings, sort_keys=True, default=str)))
+                 json.dumps(versions, sort_keys=True), json.dumps(settings, sort_keys=True, default=str), status,
+                 None if status == "running" else _now()))
         return int(cur.lastrowid)
+
+    def begin_run(self, *args, **kwargs) -> int:
+        """``start_run``'s arguments; the run is 'running' until ``end_run``."""
+        return self.start_run(*args, **{**kwargs, "status": "running"})
+
+    def end_run(self, run_id: int, error: str | None = None) -> None:
+        """Mark a run done, or failed with ``error`` (one line kept)."""
+        self._writable()
+        status = "done" if error is None else "failed"
+        with self.db:
+            self.db.execute("UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
+                            (status, None if error is None else str(error)[:2000], _now(), run_id))
+
+    def run_status(self, run_id: int) -> tuple[str, str | None] | None:
+        """(status, error) of a run; None when there is no such run."""
+        row = self.db.execute("SELECT status, error FROM runs WHERE id = ?", (run_id,)).fetchone()
+        return None if row is None else (row[0], row[1])
 
     def add(self, run_id: int, metric: str, value, subset: str = "", stderr=None, unit: str | None = None,
             extra: dict | None = None) -> None:
+        self._writable()
         with self.db:  # one commit per row: nothing finished is lost on an interrupt
             self.db.execute(
                 "INSERT INTO results (run_id, metric, subset, value, stderr, unit, extra, recorded_at) "
@@ -136,15 +284,19 @@ class ResultsStore:
                  None if stderr is None else float(stderr), unit,
                  json.dumps(extra, sort_keys=True, default=str) if extra else None, _now()))
 
-    def rows(self, run_id: int | None = None) -> list[dict]:
-        sql = ("SELECT r.id, r.model, r.artifact_sha256, r.runtime, r.threads, r.target, r.emulated, x.metric, "
-               "x.subset, x.value, x.stderr, x.unit FROM results x JOIN runs r ON r.id = x.run_id")
+    def rows(self, run_id: int | None = None, include_unfinished: bool = False) -> list[dict]:
+        """One dict per result row, each with its run's ``status``. The rows of one run whatever its
+        status (``run_id``); else those of finished ('done') runs only, unless ``include_unfinished``."""
+        sql = ("SELECT r.id, r.model, r.artifact_sha256, r.runtime, r.threads, r.target, r.emulated, r.status, "
+               "x.metric, x.subset, x.value, x.stderr, x.unit FROM results x JOIN runs r ON r.id = x.run_id")
         args: tuple = ()
         if run_id is not None:
             sql += " WHERE r.id = ?"
             args = (run_id,)
-        cols = ["run", "model", "artifact_sha256", "runtime", "threads", "target", "emulated", "metric", "subset",
-                "value", "stderr", "unit"]
+        elif not include_unfinished:
+            sql += " WHERE r.status = 'done'"
+        cols = ["run", "model", "artifact_sha256", "runtime", "threads", "target", "emulated", "status", "metric",
+                "subset", "value", "stderr", "unit"]
         return [dict(zip(cols, row)) for row in self.db.execute(sql + " ORDER BY x.id", args)]
 
     def close(self) -> None:
