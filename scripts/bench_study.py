@@ -125,7 +125,7 @@ def print_findings_only(study, store, wd: Path) -> int:
     print(f"study {study.name}: {len(rows)} of {wanted} evaluations finished (nothing run now)")
     print_per_model(rows)
     report = wd / f"{study.name}.html"
-    write_report(store, report, "html", study.name)
+    write_report(store, report, "html", study.name, overwrite=True)  # its own report of the last run
     print(f"report: {report}")
     store.close()
     return 0
@@ -181,7 +181,7 @@ def main() -> int:
     shared = sum(secs.values())
     alone = sum(chain(j) for j, k, _, _ in jobs if k == "evaluate")
     report = wd / f"{study.name}.html"
-    write_report(store, report, "html", study.name)
+    write_report(store, report, "html", study.name, overwrite=True)  # its own report of the last run
     rows = load_rows(store, study.name)
     print(f"\nstudy {study.name}: {counts['jobs']} jobs ({counts['ran']} run now, {counts['already_done']} done before); "
           f"wall {wall:.0f} s, {counts['ran'] / max(wall / 60, 1e-9):.2f} jobs/min")

@@ -86,17 +86,23 @@ def study_command(
 
 
 def report_command(
-    store_path: Optional[Path] = typer.Argument(None, help="Results store (default: $SLMEDGE_RESULTS_DB or the user data dir)."),
+    store_path: Optional[Path] = typer.Argument(None, help="Results store (default: $SLMEDGE_RESULTS_DB or the user data dir); "
+                                                "read only, never created or changed."),
     output: Path = typer.Option(Path("report.html"), "-o", "--output", help="Report file."),
     fmt: str = typer.Option("html", "--format", help="html (one self-contained file) or md (plots beside it)."),
     study: Optional[str] = typer.Option(None, "--study", help="Only this study's evaluations."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report (only one slmedge wrote; "
+                                   "any other file is refused)."),
 ):
     """Turn the results store into tables, plots and caveats a person reads.
+
+    Evaluations that failed or did not finish are left out (the report says how many).
 
     \b
     Examples:
       slmedge report -o report.html
       slmedge report results.sqlite --study quick --format md -o report.md
+      slmedge report --study quick -o report.html --overwrite
     """
     from ..errors import ConfigError
     from ..evaluate.store import ResultsStore
@@ -105,11 +111,10 @@ def report_command(
     with errors_to_exit():
         if fmt not in ("html", "md"):
             raise ConfigError(f"--format is html or md, not {fmt}")
-        if store_path is not None and not Path(store_path).is_file():
-            raise ConfigError(f"no results store at {store_path}")
-        store = ResultsStore(store_path)
+        store = ResultsStore(store_path, readonly=True)
         try:
-            info = write_report(store, output, fmt, study)
+            info = write_report(store, output, fmt, study, overwrite=overwrite)
         finally:
             store.close()
-        console.print(f"report: {info['rows']} evaluations -> {info['path']}")
+        left = f" ({info['left_out']} that failed or did not finish left out)" if info.get("left_out") else ""
+        console.print(f"report: {info['rows']} evaluations{left} -> {info['path']}")

@@ -2,7 +2,12 @@
 file (plots inline as PNG) or Markdown (plots beside it).
 
 Rows are evaluations: a study's finished evaluate jobs (named by model, method, export and
-target), or, in a store without studies, every evaluation run.
+target), or, in a store without studies, every evaluation run that finished. Runs that failed or
+never finished (and runs with no results, which older stores hold for failed evaluations) are
+left out of the tables and plots; the report says how many.
+
+A report carries a marker (``<!-- slmedge-report VERSION -->``, first in the file): ``--overwrite``
+replaces only a file that starts with it, so a file slmedge did not write is never replaced.
 """
 
 from __future__ import annotations
@@ -15,8 +20,13 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from ..errors import ConfigError
+from .. import __version__
+from ..errors import OutputExistsError, SlmedgeError
+from ..evaluate.store import ResultsStoreError
 from ..models.artifact_format import read_manifest
+
+MARKER = "slmedge-report"
+_HTML_START = "<!doctype html>"
 
 FIDELITY = [("kl_mean", "mean KL", "{:.4f}"), ("kl_p99", "KL p99", "{:.3f}"), ("top1_agreement", "top-1", "{:.1%}"),
             ("rms_delta_p", "RMS Δp", "{:.2%}"), ("hidden_snr_db", "SNR dB", "{:.1f}"), ("task_flips", "task flips",
@@ -29,26 +39,44 @@ SYSTEM = [("file_bytes", "size MB", lambda v: f"{v / 1e6:.1f}"), ("bits_per_weig
           ("decode_fraction", "of bound", lambda v: f"{v:.0%}")]
 
 
+# A run that is an evaluation to show: finished, with results.
+_FINISHED = "r.status = 'done' AND EXISTS (SELECT 1 FROM results x WHERE x.run_id = r.id)"
+
+
+def left_out(store, study: str | None = None) -> int:
+    """How many evaluations ``load_rows`` leaves out: a study's evaluate jobs of the current grid
+    that failed; in a store of plain evaluations, the runs that failed, never finished or hold no
+    results."""
+    db = store.db
+    if study or db.execute("SELECT 1 FROM study_jobs j JOIN runs r ON r.id = j.run_id WHERE j.kind = 'evaluate' "
+                           "AND j.status = 'done' AND j.in_grid = 1 AND r.status = 'done' LIMIT 1").fetchone():
+        q = "SELECT COUNT(*) FROM study_jobs WHERE kind = 'evaluate' AND status = 'failed' AND in_grid = 1"
+        return db.execute(q + (" AND study = ?" if study else ""), (study,) if study else ()).fetchone()[0]
+    return db.execute(f"SELECT COUNT(*) FROM runs r WHERE NOT ({_FINISHED})").fetchone()[0]
+
+
 def load_rows(store, study: str | None = None) -> list[dict]:
     """One dict per evaluation: ``label`` fields, ``metrics[metric][subset] = value``, run info."""
     db = store.db
-    q = ("SELECT study, labels, run_id, spec FROM study_jobs "
-         "WHERE kind = 'evaluate' AND status = 'done' AND in_grid = 1")
+    q = ("SELECT j.study, j.labels, j.run_id, j.spec FROM study_jobs j JOIN runs r ON r.id = j.run_id "
+         "WHERE j.kind = 'evaluate' AND j.status = 'done' AND j.in_grid = 1 AND r.status = 'done'")
     args: tuple = ()
     if study:
-        q += " AND study = ?"
+        q += " AND j.study = ?"
         args = (study,)
-    jobs = db.execute(q + " ORDER BY rowid", args).fetchall()
+    jobs = db.execute(q + " ORDER BY j.rowid", args).fetchall()
     if study and not jobs:
         known = [r[0] for r in db.execute("SELECT DISTINCT study FROM study_jobs")]
-        raise ConfigError(f"no finished evaluations of study '{study}' in {store.path} (studies: {', '.join(known) or 'none'})")
+        raise ResultsStoreError(f"no finished evaluations of study '{study}' in {store.path} "
+                                f"(studies: {', '.join(known) or 'none'})")
     if not jobs:  # a store of plain evaluations
         jobs = [(None, json.dumps({"model": m, "method": "-", "export": rt, "target": t}), rid, "{}")
-                for rid, m, rt, t in db.execute("SELECT id, model, runtime, target FROM runs ORDER BY id")]
+                for rid, m, rt, t in db.execute(f"SELECT id, model, runtime, target FROM runs r WHERE {_FINISHED} "
+                                                "ORDER BY id")]
     out = []
     for st, labels, run_id, spec in jobs:
-        run = db.execute("SELECT model, runtime, threads, target, emulated, settings FROM runs WHERE id = ?",
-                         (run_id,)).fetchone()
+        run = db.execute("SELECT model, runtime, threads, target, emulated, settings FROM runs WHERE id = ? "
+                         "AND status = 'done'", (run_id,)).fetchone()
         if run is None:
             continue
         metrics: dict = defaultdict(dict)
@@ -142,6 +170,17 @@ def _mean(values):
     return sum(v) / len(v) if v else None
 
 
+def _source_kind(model: str) -> str | None:
+    """What kind of model source a study's (or run's) model is (``slmedge.models.source.resolve``);
+    None when it names nothing here any more."""
+    from ..models.source import resolve
+
+    try:
+        return resolve(model).kind
+    except SlmedgeError:
+        return None
+
+
 def _fmt(v, f):
     return "–" if v is None else f.format(v)
 
@@ -153,11 +192,18 @@ def _fmtf(v, f):
 def caveats(rows: list[dict]) -> list[str]:
     out = []
     models = {r["labels"].get("model") for r in rows}
-    if any(m in (None, "smollm2-135m", "smollm2") or str(m).endswith(".gguf") for m in models):
+    if any(m in (None, "smollm2-135m", "smollm2") for m in models):
         out.append("The embedded SmolLM2-135M baseline is a Q4_1 GGUF dequantized to fp32: its own quantization noise "
                    "is part of the 'full-precision' base, and a method that re-finds that grid is favoured.")
     if "gemma3-270m" in models:
         out.append("The embedded Gemma 3 270M baseline is a Q4_K_M GGUF dequantized to fp32, with the same caveat.")
+    # A study's model is the base its grid starts from (a plain run's is what was evaluated, as is).
+    bases = {r["labels"].get("model") for r in rows if r.get("study") is not None} - {None}
+    gguf_bases = sorted(str(m) for m in bases if _source_kind(str(m)) == "gguf")
+    if gguf_bases:
+        out.append(f"The base model{'s' if len(gguf_bases) > 1 else ''} {', '.join(gguf_bases)} "
+                   f"{'are GGUF files' if len(gguf_bases) > 1 else 'is a GGUF file'} dequantized to fp32: "
+                   "its own quantization noise is part of the 'full-precision' base.")
     if any(r["emulated"] for r in rows):
         out.append("Rows marked emulated ran under qemu: their timings are not device latency (the roofline there is a "
                    "projection).")
@@ -267,10 +313,23 @@ th:first-child,td:first-child{text-align:left}th{background:#f3f3f3}img{max-widt
 .caveat{background:#fff8e1;border-left:4px solid #f0b400;padding:.5em 1em}"""
 
 
-def render_html(rows, title: str) -> str:
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+def _marker() -> str:
+    return f"<!-- {MARKER} {__version__} -->"
+
+
+def _notes(left: int) -> list[str]:
+    if not left:
+        return []
+    return [f"{left} evaluation{'s' if left > 1 else ''} that failed or did not finish "
+            f"{'are' if left > 1 else 'is'} left out of this report."]
+
+
+def render_html(rows, title: str, left: int = 0) -> str:
+    parts = [f"{_HTML_START}{_marker()}<html><head><meta charset='utf-8'>"
+             f"<meta name='generator' content='{MARKER} {html.escape(__version__)}'><title>{html.escape(title)}</title>"
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>",
-             f"<p>{len(rows)} evaluations.</p><h2>Caveats</h2><div class='caveat'><ul>"
+             f"<p>{len(rows)} evaluations.</p>" + "".join(f"<p>{html.escape(n)}</p>" for n in _notes(left))
+             + "<h2>Caveats</h2><div class='caveat'><ul>"
              + "".join(f"<li>{html.escape(c)}</li>" for c in caveats(rows)) + "</ul></div>"]
     for t in tables(rows):
         parts.append(f"<h2>{html.escape(t['title'])}</h2><table><tr>"
@@ -287,27 +346,119 @@ def render_html(rows, title: str) -> str:
     return "".join(parts)
 
 
-def render_md(rows, title: str, out_path: Path) -> str:
-    parts = [f"# {title}\n", f"{len(rows)} evaluations.\n", "## Caveats\n", *[f"- {c}" for c in caveats(rows)], ""]
+def _md_parts(rows, title: str, left: int = 0) -> list[str]:
+    parts = [_marker(), f"# {title}\n", f"{len(rows)} evaluations.\n", *[f"{n}\n" for n in _notes(left)],
+             "## Caveats\n", *[f"- {c}" for c in caveats(rows)], ""]
     for t in tables(rows):
         parts += [f"## {t['title']}\n", "| " + " | ".join(t["columns"]) + " |",
                   "|" + "|".join("---" for _ in t["columns"]) + "|",
                   *["| " + " | ".join(str(v) for v in row) + " |" for row in t["rows"]], ""]
-    figdir = out_path.with_name(out_path.stem + "_files")
-    for i, (caption, png) in enumerate(plots(rows)):
-        figdir.mkdir(parents=True, exist_ok=True)
-        (figdir / f"plot{i + 1}.png").write_bytes(png)
-        parts += [f"## {caption}\n", f"![{caption}]({figdir.name}/plot{i + 1}.png)", ""]
+    return parts
+
+
+def _figdir(out_path: Path) -> Path:
+    return out_path.with_name(out_path.stem + "_files")
+
+
+# The Markdown report's plot folder lists what it holds here, so --overwrite replaces only it.
+FIG_MANIFEST = "slmedge-report.json"
+
+
+def render_md(rows, title: str, out_path: Path, left: int = 0, overwrite: bool = True) -> str:
+    """The Markdown text; its plots are written (atomically, as one folder) beside ``out_path``."""
+    from ..fsutil import atomic_directory
+
+    parts = _md_parts(rows, title, left)
+    figs = plots(rows)
+    if figs:
+        figdir = _figdir(Path(out_path))
+        _check_figdir(figdir, overwrite)
+        names = [f"plot{i + 1}.png" for i in range(len(figs))]
+        try:
+            with atomic_directory(figdir, overwrite=overwrite, manifest=FIG_MANIFEST) as tmp:
+                for name, (_, png) in zip(names, figs):
+                    (tmp / name).write_bytes(png)
+                (tmp / FIG_MANIFEST).write_text(json.dumps({"files": names, "report": Path(out_path).name,
+                                                            "version": __version__}) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise _write_error(figdir, exc) from exc
+        for name, (caption, _) in zip(names, figs):
+            parts += [f"## {caption}\n", f"![{caption}]({figdir.name}/{name})", ""]
     return "\n".join(parts)
 
 
-def write_report(store, out: Path, fmt: str = "html", study: str | None = None) -> dict:
+def is_report(path: Path) -> bool:
+    """Whether ``path`` is a report slmedge wrote (it starts with the marker)."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(256).decode("utf-8", "replace")
+    except OSError:
+        return False
+    mark = f"<!-- {MARKER} "
+    return head.startswith(mark) or head.lower().startswith(_HTML_START + mark)
+
+
+def check_output(out: Path, overwrite: bool, inputs=()) -> None:
+    """Refuse, before any work, a report output that may not be written: an input of the command
+    (the store), a folder, an existing file without ``overwrite``, and — even with it — a file
+    slmedge did not write as a report."""
+    from ..fsutil import refuse_replacing
+
+    out = Path(out)
+    if out.is_dir():
+        raise OutputExistsError(f"output {out} is a directory; give a file name for the report")
+    refuse_replacing(out, overwrite, None, inputs)
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise OutputExistsError(f"output {out} exists; pass --overwrite to replace it (only a report slmedge "
+                                    "wrote is replaced)")
+        if out.is_symlink() or not out.is_file() or not is_report(out):
+            raise OutputExistsError(f"output {out} is not a report slmedge wrote; --overwrite only replaces "
+                                    "slmedge's own reports: choose another output")
+
+
+def _check_figdir(figdir: Path, overwrite: bool) -> None:
+    from ..fsutil import refuse_replacing
+
+    if figdir.exists() and not figdir.is_dir():
+        raise OutputExistsError(f"{figdir} (where the report's plots go) exists and is not a directory; "
+                                "choose another output")
+    try:
+        refuse_replacing(figdir, overwrite, FIG_MANIFEST)
+    except OutputExistsError as exc:
+        raise OutputExistsError(f"{exc} (the report's plots go there)") from None
+    if figdir.is_dir() and any(figdir.iterdir()) and not (figdir / FIG_MANIFEST).is_file():
+        raise OutputExistsError(f"{figdir} (where the report's plots go) holds files slmedge did not write; "
+                                "choose another output")
+
+
+def _write_error(path: Path, exc: OSError) -> SlmedgeError:
+    from ..fsutil import disk_full
+
+    if disk_full(exc):
+        return SlmedgeError(f"no space left on the device while writing {path}; nothing was written")
+    return SlmedgeError(f"cannot write {path}: {exc.strerror or type(exc).__name__}")
+
+
+def write_report(store, out: Path, fmt: str = "html", study: str | None = None, overwrite: bool = False) -> dict:
+    """Write the report to ``out`` (atomically). An existing ``out`` is replaced only with
+    ``overwrite``, and only when it is a report slmedge wrote; the same holds for a Markdown
+    report's plot folder."""
     from ..fsutil import write_text_atomic
 
+    out = Path(out)
     rows = load_rows(store, study)
     if not rows:
-        raise ConfigError(f"{store.path} holds no evaluations to report")
+        raise ResultsStoreError(f"{store.path} holds no finished evaluations to report")
+    check_output(out, overwrite, inputs=(store.path,))
+    if fmt == "md":
+        _check_figdir(_figdir(out), overwrite)
+    left = left_out(store, study)
     title = f"slmedge report — {study or 'all evaluations'}"
-    text = render_html(rows, title) if fmt == "html" else render_md(rows, title, Path(out))
-    write_text_atomic(Path(out), text)
-    return {"rows": len(rows), "path": str(out)}
+    text = render_html(rows, title, left) if fmt == "html" else render_md(rows, title, out, left, overwrite)
+    check_output(out, overwrite, inputs=(store.path,))  # again: something may have appeared meanwhile
+    try:
+        write_text_atomic(out, text)
+    except OSError as exc:  # named by the output, never by the temporary file beside it
+        raise _write_error(out, exc) from exc
+    return {"rows": len(rows), "path": str(out), "left_out": left}
