@@ -157,3 +157,87 @@ def test_cuda_device_gives_the_cpu_result(method, kw, tiny_models, calib_file, t
         assert other.weight.device.type == "cpu"
         # Different kernels round differently; the codes may differ by one step in a few places.
         assert (res.weight - other.weight).abs().mean() < 1e-2 * res.weight.abs().mean()
+
+
+# --- range checks: refused before any work, one line naming the setting, exit 2 ------------------
+
+@pytest.mark.parametrize("args,words", [
+    # Every linear of the tiny llama is 64 or 128 columns wide: a group wider than all of them.
+    (["--method", "rtn", "-g", "1024"], ["group size 1024", "model.layers.0.mlp.down_proj", "128 columns",
+                                         "--group-size 128 or less", "-1"]),
+    (["--method", "gptq", "-g", "129"], ["group size 129", "--group-size 128 or less"]),
+    # With the MLP skipped the widest layer left is 64 columns wide.
+    (["--method", "rtn", "-g", "128", "--skip", "*.mlp.*"], ["group size 128", "64 columns", "--group-size 64 or less"]),
+    (["--method", "wanda", "--sparsity", "0.5", "--bits", "4", "-g", "256"], ["group size 256"]),
+    (["--method", "rtn", "-g", "-2"], ["group size must be a positive integer or -1"]),
+    (["--method", "magnitude", "--sparsity", "0.5", "-g", "0"], ["group size must be a positive integer or -1"]),
+    (["--method", "gptq", "--nsamples", "0"], ["nsamples must be an integer of at least 1, got 0"]),
+    (["--method", "gptq", "--nsamples", "-3"], ["nsamples must be an integer of at least 1, got -3"]),
+    (["--method", "gptq", "--seqlen", "0"], ["seqlen must be an integer of at least 8, got 0"]),
+    # The tiny models have 512 positions.
+    (["--method", "gptq", "--seqlen", "513"], ["seqlen 513 is longer than the model's 512 positions", "--seqlen 512"]),
+    (["--method", "awq", "--seqlen", "4096"], ["seqlen 4096", "512 positions"]),
+    (["--method", "gptq", "--batch-size", "0"], ["batch_size must be an integer of at least 1, got 0"]),
+    (["--method", "gptq", "--block-size", "0"], ["block_size must be an integer of at least 1, got 0"]),
+    (["--method", "gptq", "--damp", "-0.01"], ["damp must be in [0, 1)", "-0.01"]),
+    (["--method", "gptq", "--damp", "1"], ["damp must be in [0, 1)"]),
+    (["--method", "gptq", "--damp", "nan"], ["damp must be in [0, 1)"]),
+    (["--method", "awq", "--awq-grid", "0"], ["awq_grid must be an integer of at least 1, got 0"]),
+    (["--method", "awq", "--awq-max-tokens", "8"], ["awq_max_tokens must be an integer of at least 16, got 8"]),
+    (["--method", "rtn", "--bits", "1"], ["bits must be an integer from 2 to 8, got 1"]),
+    (["--method", "sparsegpt", "--sparsity", "0.5", "--bits", "16"], ["bits must be an integer from 2 to 8, got 16"]),
+    (["--method", "magnitude", "--sparsity", "1.0"], ["sparsity must be at least 0 and below 1, got 1"]),
+    (["--method", "wanda", "--sparsity", "-0.5"], ["sparsity must be at least 0 and below 1, got -0.5"]),
+    (["--method", "gptq", "--seed", "-1"], ["seed must be a non-negative integer", "got -1"]),
+    (["--method", "gptq", "--calibration", " "], ["calibration must be"]),
+    (["--method", "rtn", "--skip", "*"], ["leave no linear layer to compress"]),
+])
+def test_out_of_range_settings_are_refused_before_any_work(args, words, tiny_models, tmp_path, monkeypatch):
+    import slmedge.compress.api as api
+
+    def no_calibration(*a, **k):
+        raise AssertionError("calibration was loaded before the settings were checked")
+
+    monkeypatch.setattr(api, "load_calibration", no_calibration)
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["compress", str(tiny_models("llama")), *args, "-o", str(out), "--device", "cpu"])
+    assert res.exit_code == 2, res.output
+    text = res.output.strip()
+    assert text.startswith("error:") and len(text.splitlines()) == 1 and "Traceback" not in text, text
+    for w in words:
+        assert w in text, text
+    assert not out.exists()
+
+
+def test_a_group_wider_than_some_layers_is_one_group_per_row_there(tiny_models, calib_file, tmp_path):
+    """-g 128 on the tiny llama: the 64-wide linears get one group per row (the group cut at the
+    layer's edge, as a ragged last group is), the 128-wide down_proj one group of 128; -g 96 gives
+    down_proj a full group and a ragged one of 32."""
+    for g, down_groups in ((128, 1), (96, 2)):
+        outcome = compress(str(tiny_models("llama")), small_recipe(calib_file, method="rtn", group_size=g), write=False,
+                           device="cpu")
+        for name, res in outcome.result.layers.items():
+            want = down_groups if name.endswith("down_proj") else 1
+            assert res.scales.shape[1] == want, (g, name, res.scales.shape)
+            assert torch.equal(dequantize_codes(res.codes, res.scales, res.zeros, res.spec), res.weight)
+
+
+def test_largest_group_and_positions_that_fit_are_accepted(tiny_models, calib_file, tmp_path):
+    outcome = compress(str(tiny_models("llama")), small_recipe(calib_file, method="gptq", group_size=128, seqlen=512,
+                                                                nsamples=1, batch_size=1), write=False, device="cpu")
+    assert outcome.result.layers
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("awq_grid", True, "awq_grid must be an integer"),
+    ("nsamples", 2.5, "nsamples must be an integer"),
+    ("group_size", True, "group size must be"),
+    ("group_size", 32.0, "group size must be"),
+    ("seed", 2**64, "seed must be a non-negative integer"),
+    ("seed", "3", "seed must be"),
+])
+def test_recipe_values_of_the_wrong_kind_are_refused(field, value, words):
+    from slmedge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        Recipe(method="gptq", **{field: value}).validate()

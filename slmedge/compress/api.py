@@ -39,26 +39,50 @@ def default_output(source_name: str, recipe: Recipe) -> Path:
 
 
 def check_compatible(loaded: LoadedModel, recipe: Recipe) -> None:
-    """Refuse, before any work, settings this model's layers cannot take (naming the layer)."""
+    """Refuse, before any calibration work, settings this model's layers cannot take (naming the layer).
+
+    - N:M sparsity needs every compressed linear's input width to be a multiple of M.
+    - A group size larger than every compressed linear's input width would make every layer one
+      group per row while the recipe says ``g<N>``: refused, naming the widest layer and the
+      largest group size that is still a group there. A group wider than only some layers is
+      kept: on those layers the one group is cut at the layer's edge, as a ragged last group is
+      (``QuantSpec.group_width``), and their scales show it (one column per row).
+    - The calibration windows must fit the model's positions (``max_position_embeddings``).
+    - At least one linear must be left to compress.
+    """
     arch = loaded.arch
     spars = recipe.sparsity
     model = loaded.model
+    method = get_method(recipe.method).cls(recipe)
     names = [f"{arch.layers}.{i}.{rel}" for i in range(len(model.get_submodule(arch.layers))) for rel in arch.linear_names]
     if not is_skipped(arch.lm_head, recipe.skip):
         names.append(arch.lm_head)
-        if get_method(recipe.method).cls.block_level:
+        if method.block_level:
             raise ConfigError(f"{recipe.method} cannot compress {arch.lm_head} (no preceding op to fold scales into); "
                               "keep it skipped")
-    for name in names:
-        if is_skipped(name, recipe.skip):
-            continue
-        cols = model.get_submodule(name).in_features
+    names = [n for n in names if not is_skipped(n, recipe.skip)]
+    if not names:
+        raise ConfigError(f"skip patterns {', '.join(recipe.skip)} leave no linear layer to compress")
+    widths = {name: model.get_submodule(name).in_features for name in names}
+    for name, cols in widths.items():
         if spars is not None and spars.is_nm and cols % spars.m:
             divisors = [m for m in (4, 8, 16) if cols % m == 0]
             raise ConfigError(
                 f"{spars.n}:{spars.m} sparsity needs input widths divisible by {spars.m}; {name} has {cols} "
                 f"(try M in {divisors})"
             )
+    g = recipe.group_size
+    if recipe.bits is not None and g != -1:
+        widest = max(widths, key=widths.get)
+        if g > widths[widest]:
+            raise ConfigError(
+                f"group size {g} is larger than every layer's input width (the widest, {widest}, has "
+                f"{widths[widest]} columns): use --group-size {widths[widest]} or less, or -1 for one group per row")
+    if method.needs_calibration:
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if isinstance(positions, int) and recipe.seqlen > positions:
+            raise ConfigError(f"seqlen {recipe.seqlen} is longer than the model's {positions} positions "
+                              f"(max_position_embeddings): use --seqlen {positions} or less")
 
 
 def summarize(model, result: CompressionResult, recipe: Recipe) -> dict:

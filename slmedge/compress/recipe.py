@@ -100,10 +100,15 @@ class Recipe:
         else:
             if spars is None:
                 raise ConfigError(f"{self.method} prunes: give --sparsity (a ratio such as 0.5, or N:M such as 2:4)")
+        # The group size is checked whether or not this recipe quantizes (a pruning recipe records
+        # it too); against the model's layer widths in ``api.check_compatible``.
+        g = self.group_size
+        if isinstance(g, bool) or not isinstance(g, int) or (g != -1 and g < 1):
+            raise ConfigError(f"group size must be a positive integer or -1 (per channel), got {g!r}")
         for name, value, lo in (("nsamples", self.nsamples, 1), ("seqlen", self.seqlen, 8), ("batch_size", self.batch_size, 1),
                                 ("block_size", self.block_size, 1), ("awq_grid", self.awq_grid, 1), ("awq_max_tokens", self.awq_max_tokens, 16)):
-            if not isinstance(value, int) or value < lo:
-                raise ConfigError(f"{name} must be an integer of at least {lo}, got {value}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ConfigError(f"{name} must be an integer of at least {lo}, got {value!r}")
         if isinstance(self.damp, bool) or not isinstance(self.damp, (int, float)) or not 0 <= self.damp < 1:
             raise ConfigError(f"damp must be in [0, 1), got {self.damp}")
         for name in ("symmetric", "act_order", "awq_clip", "true_sequential"):
@@ -112,10 +117,12 @@ class Recipe:
                 raise ConfigError(f"{name} must be true or false, got {value!r}")
         if not isinstance(self.skip, tuple) or not all(isinstance(p, str) for p in self.skip):
             raise ConfigError(f"skip must be a list of module-name patterns, got {self.skip!r}")
-        if not isinstance(self.calibration, str):
+        if not isinstance(self.calibration, str) or not self.calibration.strip():
             raise ConfigError(f"calibration must be a name, a file or hf:DATASET, got {self.calibration!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        # Negative seeds are refused: random.Random(-n) draws the same windows as Random(n), so
+        # -1 and 1 would share their calibration; torch's generator takes at most 64 bits.
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ConfigError(f"seed must be a non-negative integer (below 2**64), got {self.seed!r}")
         return self
 
     def describe(self) -> str:
