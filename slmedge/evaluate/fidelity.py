@@ -120,6 +120,10 @@ def fidelity(candidate, reference, text: str, seqlen: int = 512, max_windows: in
 def task_flips(candidate_scores, reference_scores, norm: bool = False) -> float:
     """Share of task items whose predicted answer differs between the model and the reference:
     the answers ``acc`` counts, or with ``norm`` those ``acc_norm`` counts."""
+    if len(candidate_scores) != len(reference_scores) or any(
+            a.gold != b.gold for a, b in zip(candidate_scores, reference_scores)):
+        raise SlmedgeError(f"task flips need the same items: the model scored {len(candidate_scores)}, "
+                           f"the reference {len(reference_scores)} (or their gold answers differ)")
     if not candidate_scores:
         return 0.0
     attr = "pred_norm" if norm else "pred"
