@@ -122,19 +122,13 @@ def _model_config(sub) -> dict:
     fmt = get_runtime(rt.name).export_format
     if fmt is None:  # a model source in process
         return rt.model.config.to_dict()
-    if fmt == "onnx":
-        f = Path(sub.file).parent / "config.json"
-        return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
-    md = rt.metadata
-    arch = md.get("general.architecture", "")
+    from ..export.formats import get_format
 
-    def get(key):
-        value = md.get(f"{arch}.{key}")
-        return int(value) if value is not None else None
-
-    return {"num_hidden_layers": get("block_count"), "num_attention_heads": get("attention.head_count"),
-            "num_key_value_heads": get("attention.head_count_kv"), "head_dim": get("attention.key_length"),
-            "hidden_size": get("embedding_length")}
+    facts = get_format(fmt).model_facts
+    try:
+        return facts(Path(sub.file))["config"] if facts is not None else {}
+    except Exception:  # noqa: BLE001 - the KV-cache size is then left out
+        return {}
 
 
 class Evaluation:
