@@ -24,9 +24,10 @@ them), so that every id it produces has a row.
 The model is never held in memory, in fp32 or otherwise: its tensor names and shapes come from
 the model built on the meta device, and each tensor is drawn in the target dtype and written
 straight into the file before the next is made. Peak RSS is the interpreter with torch and
-transformers plus the largest tensor (measured here: Qwen2.5-0.5B 0.99 GB of weights with a
-peak RSS of about 1.0 GB; Phi-3.5-mini 7.6 GB of weights, about 1.3 GB); the script prints its
-own peak. Values: weights ~ N(0, initializer_range), norm weights 1, biases 0, drawn per tensor
+transformers plus the largest tensor. Measured on this 2-core machine (shared with other work):
+Qwen2.5-0.5B, 0.99 GB of bf16 weights, peak RSS 0.80 GB, 28 s; Phi-3.5-mini, 7.64 GB of weights
+in two files, peak RSS 0.74 GB, 54 s (the first run in a fresh cache also converts the embedded
+SmolLM2 for its tokenizer, a minute or two more). The script prints its own peak. Values: weights ~ N(0, initializer_range), norm weights 1, biases 0, drawn per tensor
 from --seed and the tensor's name (the same seed gives the same bytes).
 
 Exit codes: 0 done; 1 an output that cannot be used (exists without --overwrite, or not made by
