@@ -406,8 +406,9 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
             return dest
         import sys
 
-        print(f"note: the cached import of {gguf_path.name} in {dest} was changed or is incomplete; converting it "
-              "again", file=sys.stderr)
+        why = ("lists no checksums (an older slmedge wrote it)" if not _read_source_file(dest).get("files")
+               else "was changed or is incomplete")
+        print(f"note: the cached import of {gguf_path.name} in {dest} {why}; converting it again", file=sys.stderr)
     try:
         config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:
