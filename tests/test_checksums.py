@@ -198,3 +198,32 @@ def test_a_changed_cached_gguf_import_is_converted_again(exports, tmp_path, caps
     assert gguf_to_hf_dir(gguf_path) == dest
     assert sha256_file(weights) == good
     assert "converting it again" in capsys.readouterr().err
+
+
+def test_the_reference_task_cache_is_used_only_as_written_and_keyed_by_the_task_file(artifacts, tmp_path,
+                                                                                      session_cache):
+    art = artifacts("llama", "rtn")
+    tasks = tmp_path / "data" / "tasks"
+    tasks.mkdir(parents=True)
+    rows = [{"query": f"Question {i}: which word comes next?", "choices": [" yes", " no", " maybe"], "gold": i % 3}
+            for i in range(4)]
+    (tasks / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    args = ["evaluate", str(art), "--metrics", "tasks,fidelity", "--seqlen", "32", "--tasks", "mine", "--data-dir", str(tmp_path / "data"),
+            "--results-db", str(tmp_path / "db")]
+    before = set((session_cache / "reference").glob("task-*.json"))
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    made = set((session_cache / "reference").glob("task-*.json")) - before
+    assert len(made) == 1
+    cache = made.pop()
+    good = cache.read_text()
+    edited = json.loads(good)
+    edited["scores"][0]["pred"] = (edited["scores"][0]["pred"] + 1) % 3
+    cache.write_text(json.dumps(edited))  # its seal no longer matches: scored again, written again
+    assert runner.invoke(app, args).exit_code == 0
+    assert json.loads(cache.read_text()) == json.loads(good)
+    # Another task file under the same name is another cache entry.
+    (tasks / "mine.jsonl").write_text("".join(json.dumps({**r, "gold": (r["gold"] + 1) % 3}) + "\n" for r in rows),
+                                      encoding="utf-8")
+    assert runner.invoke(app, args).exit_code == 0
+    assert len(set((session_cache / "reference").glob("task-*.json")) - before) == 2

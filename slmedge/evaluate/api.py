@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import ConfigError, DataError
-from ..fsutil import write_json_atomic
+from ..fsutil import SEAL_KEY, check_seal, sealed, sha256_file, write_json_atomic
 from ..data.files import data_files
 from ..registry import Registry
 from ..runtimes.registry import get_runtime
@@ -318,20 +318,26 @@ class Evaluation:
         import hashlib
 
         from ..paths import cache_dir
-        from .tasks import ItemScore, run_task
+        from .tasks import ItemScore, run_task, task_file
 
-        key = hashlib.sha256(json.dumps([ref.identity.get("sha256"), ref.runtime.name, name, self.settings.limit,
-                                         max_len], default=str).encode()).hexdigest()[:24]
+        # Keyed by the task file's content too: an edited task file is scored again.
+        content = sha256_file(task_file(name, self.settings.data_dir))
+        key = hashlib.sha256(json.dumps([ref.identity.get("sha256"), ref.runtime.name, name, content,
+                                         self.settings.limit, max_len], default=str).encode()).hexdigest()[:24]
         path = cache_dir() / "reference" / f"task-{key}.json"
         if path.is_file():
             try:
-                return [ItemScore(**d) for d in json.loads(path.read_text())]
-            except (ValueError, TypeError):
+                cached = json.loads(path.read_text())
+                # Used only as written: sealed, and its content still matching the seal.
+                if isinstance(cached, dict) and SEAL_KEY in cached:
+                    check_seal(cached, path, ValueError)
+                    return [ItemScore(**d) for d in cached["scores"]]
+            except (OSError, ValueError, TypeError, KeyError):
                 pass
         _, scores = run_task(ref.runtime, ref.encoder, name, self.settings.data_dir, self.settings.limit, max_len,
                              self.progress)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, [asdict(s) for s in scores])
+        write_json_atomic(path, sealed({"scores": [asdict(s) for s in scores]}))
         return scores
 
     @register_metric("memory")

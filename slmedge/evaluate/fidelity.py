@@ -46,14 +46,29 @@ def _cache_path(reference_id: str, windows: list[list[int]]) -> os.PathLike:
     return root / f"{h.hexdigest()[:24]}.npz"
 
 
+def _arrays_digest(arrays: dict) -> str:
+    """sha256 over named arrays (name, dtype, shape and bytes, in name order)."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}|{a.dtype.str}|{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
 def reference_outputs(runtime, windows: list[list[int]], reference_id: str, with_hidden: bool, progress=None):
     """Per window (log-probs fp32 (T-1, V), final hidden states or None); cached on disk."""
     path = _cache_path(reference_id + ("|hidden" if with_hidden else ""), windows)
     if path.is_file():
         try:
             with np.load(path) as data:
-                lps = [data[f"lp{i}"] for i in range(len(windows))]
-                hid = [data[f"h{i}"] if f"h{i}" in data else None for i in range(len(windows))]
+                arrays = {k: data[k] for k in data.files}
+            recorded = arrays.pop("sha256", None)
+            # A cache entry is used only as written: its arrays match the digest stored with them.
+            if recorded is None or recorded.tobytes().hex() != _arrays_digest(arrays):
+                raise ValueError("changed since written")
+            lps = [arrays[f"lp{i}"] for i in range(len(windows))]
+            hid = [arrays.get(f"h{i}") for i in range(len(windows))]
             return lps, hid, True
         except (OSError, ValueError, KeyError):
             path.unlink(missing_ok=True)
@@ -65,6 +80,7 @@ def reference_outputs(runtime, windows: list[list[int]], reference_id: str, with
             progress("reference", i + 1, len(windows))
     arrays = {f"lp{i}": lp for i, lp in enumerate(lps)}
     arrays.update({f"h{i}": h.astype(np.float32) for i, h in enumerate(hid) if h is not None})
+    arrays["sha256"] = np.frombuffer(bytes.fromhex(_arrays_digest(arrays)), dtype=np.uint8)
     tmp = path.with_name(f".{path.stem}-{os.getpid()}.npz")
     try:
         np.savez(tmp, **arrays)

@@ -161,7 +161,7 @@ def _ours(path: Path) -> bool:
                  read_manifest=read_gguf_manifest, verified_manifest=verified_gguf_manifest, types=tuple(QTYPES), tolerances=TOLERANCES,
                  options=("keep_f16_uncoded",), error=GGUFExportError, report_rows=_report_rows,
                  inspect=inspect_gguf, inspect_rows=gguf_rows, magic=b"GGUF", model_facts=gguf_model_facts,
-                 tokenizer="inside", type_key="qtype", torch_source=True)
+                 tokenizer="inside", type_key="qtype", torch_source=True, packages=("gguf",))
 def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, verify: bool = True, *,
                 overwrite: bool = False, probe: str | None = None, n_threads: int | None = None,
                 keep_f16_uncoded: bool = False) -> dict:

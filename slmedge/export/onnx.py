@@ -371,7 +371,7 @@ def _model_file(path) -> Path:
                  folder_holds="model, config, tokenizer", default_stem="{model}-onnx-{type}",
                  complete=lambda out: (Path(out) / EXPORT_MANIFEST).is_file(), read_manifest=read_onnx_manifest,
                  verified_manifest=verified_onnx_manifest, model_file=_model_file, model_files=onnx_model_files,
-                 model_facts=onnx_model_facts, tokenizer="beside",
+                 model_facts=onnx_model_facts, tokenizer="beside", packages=("onnx", "optimum"),
                  types=ONNX_TYPES, tolerances=TOLERANCES, options=("block_size", "accuracy_level", "keep_fp32_head"),
                  error=ONNXExportError, report_rows=_report_rows, inspect=inspect_onnx, inspect_rows=onnx_rows,
                  recognizes=is_onnx_folder)

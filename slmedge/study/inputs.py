@@ -30,8 +30,8 @@ from ..errors import DataError, ModelNotFoundError
 
 # Packages whose code makes every job's numbers (loading a model, tokenizing, the reference in torch).
 TORCH_STACK = ("torch", "transformers", "safetensors", "numpy")
-# Writer libraries of the file formats, used while a format names none (``ExportFormat.packages``,
-# empty for GGUF and ONNX so far): every file export and its evaluations then count all of them.
+# Writer libraries counted for a format that names none (``ExportFormat.packages``; GGUF and ONNX
+# name theirs): to be safe, its exports and their evaluations then count all of these.
 FILE_FORMAT_PACKAGES = ("gguf", "onnx", "optimum")
 # A model source read from a GGUF file (a .gguf, an embedded model) is converted with this package.
 GGUF_READER = ("gguf",)
