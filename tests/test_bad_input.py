@@ -163,9 +163,7 @@ CASES = [
          ["--accuracy-level", "-1"]),
     Case("export-threads-0", E + ["--threads", "0", "-o", "{w}/m.gguf"], SETTING, ["--threads must be at least 1, got 0"]),
     Case("export-onnx-block-size-0", E + ["--format", "onnx", "--type", "int4", "--block-size", "0", "-o", "{w}/o"],
-         SETTING, ["block size", "0"],
-         xfail="export/onnx.py: --block-size is checked by the ONNX writer after the source is opened, as an "
-               "ONNXExportError (exit 1); a range check before work (ConfigError, exit 2) belongs to export"),
+         SETTING, ["block size", "0"]),
     Case("export-gguf-named-onnx", E + ["-o", "{w}/m.onnx"], SETTING, ["{w}/m.onnx", ".gguf"]),
     Case("export-onnx-named-dot-onnx", E + ["--format", "onnx", "-o", "{w}/m.onnx"], SETTING, ["{w}/m.onnx", "folder"]),
     Case("export-gguf-onto-a-folder", E + ["-o", "{f}/emptydir"], INPUT, ["{f}/emptydir", "must be a file path"]),
@@ -213,9 +211,7 @@ CASES = [
     Case("evaluate-unknown-reference-runtime", V + ["--metrics", "fidelity", "--reference-runtime", "tflite"], SETTING,
          ["unknown runtime 'tflite'"]),
     Case("evaluate-unknown-target", V + MEM + ["--target", "mars"], SETTING, ["unknown target 'mars'"]),
-    Case("evaluate-unknown-language", V + ["--metrics", "perplexity", "--langs", "xx"], SETTING, ["unknown language 'xx'"],
-         xfail="evaluate/api.py EvalSettings.validate raises DataError (exit 1) for an unknown language name; "
-               "raising errors.UnknownDataError there (a ConfigError and a DataError) makes it exit 2"),
+    Case("evaluate-unknown-language", V + ["--metrics", "perplexity", "--langs", "xx"], SETTING, ["unknown language 'xx'"]),
     Case("evaluate-unknown-task", V + ["--metrics", "tasks", "--tasks", "arc_hard"], SETTING, ["unknown task 'arc_hard'"]),
     Case("evaluate-ssh-host-starting-with-dash", V + MEM + ["--target", "{f}/targets/dash.toml"], SETTING,
          ["ssh host", "-oProxyCommand"]),
@@ -256,24 +252,17 @@ CASES = [
     Case("run-results-db-foreign", R + OUT + ["--results-db", "{f}/foreign.db"], INPUT, ["{f}/foreign.db"]),
     Case("run-gguf-beside-is-a-folder", R + ["-o", "{f}/sub/x"], INPUT, ["{f}/sub/x.gguf", "must be a file path"]),
     # study
-    Case("study-missing-file", ["study", "{w}/nothing.toml", "--dry-run"], INPUT, ["{w}/nothing.toml"],
-         xfail="study (cli/study.py report/study, study/spec.py): a missing study file is a missing input (exit 1); "
-               "it is a ConfigError (exit 2)"),
+    Case("study-missing-file", ["study", "{w}/nothing.toml", "--dry-run"], INPUT, ["{w}/nothing.toml"]),
     Case("study-unknown-key", ["study", "{f}/studies/badkey.toml", "--dry-run"], SETTING, ["badkey.toml", "'bogus'"]),
     Case("study-unknown-method", ["study", "{f}/studies/badmethod.toml", "--dry-run"], SETTING,
          ["badmethod.toml", "'quantum'"]),
     Case("study-not-toml", ["study", "{f}/studies/syntax.toml", "--dry-run"], SETTING, ["syntax.toml"]),
-    Case("study-method-bits-without-label", ["study", "{f}/studies/nolabel.toml", "--dry-run"], SETTING,
-         ["nolabel.toml", "label"],
-         xfail="study/spec.py: a method with bits and no label/group_size is accepted (being fixed there)"),
     Case("study-dry-run-missing-model", ["study", "{f}/studies/nomodel.toml", "--dry-run"], INPUT,
          ["nomodel.toml", "/nonexistent/model"]),
     Case("study-unknown-engine", ["study", "{f}/studies/ok.toml", "--engine", "slurm", "--workdir", "{w}/wd"], SETTING,
-         ["slurm"],
-         xfail="cli/study.py / study/engine.py: --engine is checked only after the jobs are listed, and exits 1"),
+         ["slurm"]),
     Case("study-workers-0", ["study", "{f}/studies/ok.toml", "--workers", "0", "--workdir", "{w}/wd"], SETTING,
-         ["--workers", "0"],
-         xfail="cli/study.py / study/engine.py: --workers 0 is not checked (the study runs as if it were not given)"),
+         ["--workers", "0"]),
     Case("study-results-db-foreign", ["study", "{f}/studies/badkey.toml", "--results-db", "{f}/foreign.db"], SETTING,
          ["badkey.toml"]),
     # report
@@ -295,12 +284,8 @@ CASES = [
     Case("targets-check-ssh-host-starting-with-dash", ["targets", "check", "{f}/targets/dash.toml"], SETTING,
          ["ssh host", "-oProxyCommand"]),
     Case("targets-show-ssh-host-starting-with-dash", ["targets", "show", "{f}/targets/dash.toml"], SETTING,
-         ["dash.toml", "-oProxyCommand"],
-         xfail="targets/profiles.py: a profile's ssh host starting with - is refused only when the transport "
-               "connects (check, evaluate), not when the profile is read (show)"),
-    Case("targets-show-model-missing", ["targets", "show", "cpu", "--model", "{w}/m.gguf"], INPUT, ["{w}/m.gguf"],
-         xfail="cli/targets.py _projection (the lead is editing it): a missing --model file is a missing input "
-               "(exit 1); it is a ConfigError (2)"),
+         ["dash.toml", "-oProxyCommand"]),
+    Case("targets-show-model-missing", ["targets", "show", "cpu", "--model", "{w}/m.gguf"], INPUT, ["{w}/m.gguf"]),
     Case("targets-show-model-corrupt", ["targets", "show", "cpu", "--model", "{f}/corrupt.gguf"], INPUT,
          ["{f}/corrupt.gguf"]),
     Case("targets-setup-local", ["targets", "setup", "cpu"], SETTING, ["'cpu'", "needs no setup"]),
@@ -400,7 +385,6 @@ def fixtures(tiny_models, tmp_path_factory, session_cache):
     (s / "badkey.toml").write_text(f'name = "b"\nmodels = ["{tiny}"]\nbogus = 1\n[[methods]]\nmethod = "none"\n')
     (s / "badmethod.toml").write_text(f'name = "m"\nmodels = ["{tiny}"]\n[[methods]]\nmethod = "quantum"\n')
     (s / "syntax.toml").write_text('name = "s"\nmodels = [\n')
-    (s / "nolabel.toml").write_text(f'name = "n"\nmodels = ["{tiny}"]\n[[methods]]\nmethod = "rtn"\nbits = 4\n')
     (s / "ok.toml").write_text(f'name = "ok"\nmodels = ["{tiny}"]\n[evaluate]\nmetrics = ["memory"]\n'
                                '[[methods]]\nmethod = "none"\n')
     (s / "nomodel.toml").write_text('name = "x"\nmodels = ["/nonexistent/model"]\n[[methods]]\nmethod = "none"\n')

@@ -75,7 +75,7 @@ def export_command(
     from ..export.formats import get_format
 
     with errors_to_exit():
-        _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level, revision)
+        _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level, revision, block_size)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             report = export(source, fmt, qtype, output, exact=exact, verify=verify, overwrite=overwrite,
@@ -90,23 +90,14 @@ def export_command(
             _print_export(report, get_format(fmt))
 
 
-def _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level, revision) -> None:
+def _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level, revision, block_size=32) -> None:
     """Everything an export can be refused for without reading the model: the format and its type,
     the ranges, the source (resolved: a missing one writes nothing), the output location."""
-    from ..errors import ConfigError, OutputExistsError
-    from ..export.api import default_output
-    from ..export.errors import ExportError
-    from ..export.formats import get_format
+    from ..errors import OutputExistsError
+    from ..export.api import check_export_options, default_output
 
-    target = get_format(fmt)
-    try:
-        target.check_type(qtype)
-    except ExportError as exc:  # an unknown type is a bad setting (exit 2), whoever says so
-        raise ConfigError(str(exc)) from None
-    if not 0 <= accuracy_level <= 4:
-        raise ConfigError(f"--accuracy-level must be 0..4, got {accuracy_level}")
-    if threads is not None and threads < 1:
-        raise ConfigError(f"--threads must be at least 1, got {threads}")
+    target = check_export_options(fmt, qtype, accuracy_level=accuracy_level, n_threads=threads,
+                                  block_size=block_size)
     src = check_model(source, revision)
     if output is not None:
         out = Path(output)

@@ -37,11 +37,12 @@ def study_command(
       slmedge report -o report.html
     """
     from ..evaluate.store import ResultsStore
-    from ..study.engine import StudyStore, run_study
+    from ..study.engine import StudyStore, check_engine, run_study
     from ..study.jobs import build_jobs, study_workdir
     from ..study.spec import load_study
 
     with errors_to_exit():
+        check_engine(engine, workers)
         study = load_study(study_file)
         wd = study_workdir(study, workdir)
         jobs = build_jobs(study, wd, str(data_dir) if data_dir else None)  # every input found and hashed

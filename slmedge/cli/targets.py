@@ -90,7 +90,7 @@ def show_command(name: str = typer.Argument(..., help="Target name or .toml file
 def _projection(prof, model: str, context: int) -> dict:
     from pathlib import Path
 
-    from ..errors import ConfigError
+    from ..errors import ConfigError, ModelNotFoundError
     from ..evaluate.system import kv_cache_bytes
     from ..export.formats import FORMATS, format_for_path, get_format
     from ..runtimes.registry import RUNTIMES
@@ -98,6 +98,8 @@ def _projection(prof, model: str, context: int) -> dict:
     from ..targets.session import model_bytes
 
     path = Path(model)
+    if not path.exists():  # a missing input (exit 1), not a bad setting
+        raise ModelNotFoundError(f"--model {model} does not exist")
     fmt = format_for_path(path) if path.is_file() else None
     if fmt is None or get_format(fmt).model_facts is None:
         takes = " or ".join(f.suffix for f in FORMATS.values() if f.model_facts is not None and f.suffix)

@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, UnknownDataError
 from ..fsutil import SEAL_KEY, check_seal, sealed, sha256_file, write_json_atomic
 from ..data.files import data_files
 from ..registry import Registry
@@ -79,7 +79,7 @@ class EvalSettings:
             known = set(ntrex_languages(self.data_dir)) if self.langs else set()
             bad = [lang for lang in self.langs if lang not in known]
             if bad:
-                raise DataError(f"unknown language '{bad[0]}': NTREX-128 here has {', '.join(sorted(known))}")
+                raise UnknownDataError(f"unknown language '{bad[0]}': NTREX-128 here has {', '.join(sorted(known))}")
         if self.tasks:
             from .tasks import task_file, task_label
 

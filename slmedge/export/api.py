@@ -37,15 +37,32 @@ def default_output(folder: Path, fmt: str, qtype: str) -> Path:
     return Path("slmedge-out") / get_format(fmt).default_output(name, qtype)
 
 
-def export(spec: str | None, fmt: str, qtype: str = "auto", output=None, *, exact: bool = False, verify: bool = True,
-           overwrite: bool = False, n_threads: int | None = None, block_size: int = 32, accuracy_level: int = 4,
-           keep_fp32_head: bool = False, keep_f16_uncoded: bool = False, revision: str | None = None) -> dict:
-    """Write ``spec`` in the registered format ``fmt``; returns the writer's report."""
+def check_export_options(fmt: str, qtype: str = "auto", *, accuracy_level: int = 4, n_threads: int | None = None,
+                         block_size: int = 32):
+    """The format, its type and every range, checked before any work (ConfigError, exit 2); returns
+    the format. The CLI and ``export()`` both call it."""
+    from .errors import ExportError
+
     target = get_format(fmt)
+    try:
+        target.check_type(qtype)
+    except ExportError as exc:  # an unknown type is a bad setting, whichever format says so
+        raise ConfigError(str(exc)) from None
     if not 0 <= accuracy_level <= 4:  # MatMulNBits: 0 (unset), 1 fp32, 2 fp16, 3 bf16, 4 int8 activations
         raise ConfigError(f"--accuracy-level must be 0..4, got {accuracy_level}")
     if n_threads is not None and n_threads < 1:
         raise ConfigError(f"--threads must be at least 1, got {n_threads}")
+    if "block_size" in target.options and (block_size < 16 or block_size & (block_size - 1)):
+        raise ConfigError(f"--block-size: the block size must be a power of two >= 16, got {block_size}")
+    return target
+
+
+def export(spec: str | None, fmt: str, qtype: str = "auto", output=None, *, exact: bool = False, verify: bool = True,
+           overwrite: bool = False, n_threads: int | None = None, block_size: int = 32, accuracy_level: int = 4,
+           keep_fp32_head: bool = False, keep_f16_uncoded: bool = False, revision: str | None = None) -> dict:
+    """Write ``spec`` in the registered format ``fmt``; returns the writer's report."""
+    target = check_export_options(fmt, qtype, accuracy_level=accuracy_level, n_threads=n_threads,
+                                  block_size=block_size)
     folder = source_folder(spec, revision)
     out = Path(output) if output is not None else default_output(folder, target.name, qtype)
     target.check_output(out)

@@ -253,7 +253,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
             else:
                 if exact:
                     raise GGUFExportError(f"{layer}'s codes ({res.spec.describe()}) cannot be kept as {target.name}: "
-                                          f"{why}; rerun without exact to let llama.cpp re-quantize it")
+                                          f"{why}; rerun without --exact to let llama.cpp re-quantize it")
                 tensors.append((name, w.astype(np.float32), None))
                 info.update(type="F32", grid=res.spec.describe(), requantized_because=why)
                 requant.append(name)

@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from ..errors import SlmedgeError
+from ..errors import ConfigError, SlmedgeError
 from ..fsutil import disk_full
 from ..models.artifact_format import is_artifact
 from .jobs import Job, build_jobs, study_workdir
@@ -264,6 +264,17 @@ def _on_gpu(target: str) -> bool:
     return transport_class(get_profile(target, detect=False).transport).torch_device == "cuda"
 
 
+ENGINES = ("local", "ray")
+
+
+def check_engine(engine: str, workers: int | None) -> None:
+    """The engine and the number of workers, before anything is listed or run (ConfigError, exit 2)."""
+    if engine not in ENGINES:
+        raise ConfigError(f"unknown engine '{engine}' (--engine): choose {' or '.join(ENGINES)}")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ConfigError(f"--workers must be at least 1, got {workers}")
+
+
 def run_study(study: Study, store, engine: str = "local", workers: int | None = None, address: str | None = None,
               workdir=None, data_dir: str | None = None, progress=None, discard_artifacts: bool = False) -> dict:
     """Run every job of ``study`` not yet finished in ``store``; returns counts (``ran_by_kind``: the
@@ -274,8 +285,7 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
     ``discard_artifacts``: delete each compressed model and export once every job of the grid
     that needs it has finished (results stay in the store; a job added later that needs one
     rebuilds it), so a large grid needs the disk of the jobs in flight, not of the whole grid."""
-    if engine not in ("local", "ray"):
-        raise SlmedgeError(f"unknown engine '{engine}': local or ray")
+    check_engine(engine, workers)
     wd = study_workdir(study, workdir)
     jobs = build_jobs(study, wd, data_dir)  # each identified by its settings and its inputs' content
     wd.mkdir(parents=True, exist_ok=True)  # (after: a missing input leaves nothing behind)

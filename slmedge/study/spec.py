@@ -143,6 +143,12 @@ class StudyError(ConfigError):
     """A study file that cannot run as written."""
 
 
+class StudyFileMissingError(StudyError):
+    """There is no study file where one was named: a missing input (exit 1)."""
+
+    exit_code = 1
+
+
 @dataclass
 class MethodSpec:
     label: str
@@ -240,8 +246,8 @@ def load_study(path) -> Study:
     try:
         text = file.read_text(encoding="utf-8")
         data = tomllib.loads(text)
-    except FileNotFoundError as exc:
-        raise StudyError(f"no study file at {file}") from exc
+    except FileNotFoundError as exc:  # a missing input (exit 1), not a bad setting
+        raise StudyFileMissingError(f"no study file at {file}") from exc
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise StudyError(f"{file}: {exc}") from exc
     lines = _Lines(text)

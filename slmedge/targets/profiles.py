@@ -130,12 +130,20 @@ def profile_dirs() -> list[Path]:
     return [shipped, user, *extra]
 
 
-def all_profiles() -> dict[str, Profile]:
+def all_profiles(broken: dict | None = None) -> dict[str, Profile]:
+    """Every profile by name. ``broken``: collect a profile that cannot be read there (its file's
+    stem -> the error) instead of raising, so one bad file does not hide the others."""
     found: dict[str, Profile] = {}
     for d in profile_dirs():
         if d.is_dir():
             for f in sorted(d.glob("*.toml")):
-                prof = parse_profile(f)
+                try:
+                    prof = parse_profile(f)
+                except ConfigError as exc:
+                    if broken is None:
+                        raise
+                    broken[f.stem] = exc
+                    continue
                 found[prof.name] = prof
     return found
 
@@ -146,7 +154,10 @@ def get_profile(name: str, detect: bool = True) -> Profile:
     if p.suffix == ".toml" and p.is_file():
         prof = parse_profile(p)
     else:
-        profiles = all_profiles()
+        broken: dict = {}
+        profiles = all_profiles(broken)
+        if name not in profiles and name in broken:
+            raise broken[name]  # the profile asked for is the one that cannot be read: say why
         if name not in profiles:
             raise UnknownTargetError(f"unknown target '{name}'; known: {', '.join(sorted(profiles)) or 'none'} "
                                      f"(profiles are read from {', '.join(str(d) for d in profile_dirs())})")

@@ -250,6 +250,15 @@ class SshTransport(Transport):
     def check_profile(cls, data, where):
         if data.get("ssh") is None:
             raise ConfigError(f"{where}: an ssh target needs an [ssh] table with host = ...")
+        ssh = data["ssh"]
+        for key, what in (("host", "ssh host"), ("user", "ssh user"), ("python", "remote python"),
+                          ("workdir", "remote workdir")):
+            value = ssh.get(key) if isinstance(ssh, dict) else getattr(ssh, key, None)
+            if isinstance(value, str) and value:  # refused when the profile is read, not first when it connects
+                try:
+                    _safe(value, what)
+                except ConfigError as exc:
+                    raise ConfigError(f"{where}: {exc}") from None
         super().check_profile(data, where)
 
     def __init__(self, profile: Profile):
