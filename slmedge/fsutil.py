@@ -148,10 +148,13 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool, manifest: str | N
     if path.exists() and not path.is_dir():
         raise OutputExistsError(f"output {path} exists and is not a directory")
     refuse_replacing(path, overwrite, manifest, inputs)
+    # Nothing is created here (the writer makes the parents when it writes): the nearest folder
+    # that exists must let us create what is missing below it.
     parent = path.resolve().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(parent, os.W_OK):
-        raise SlmedgeError(f"cannot write to {parent}: permission denied")
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise SlmedgeError(f"cannot write {path}: {parent} is not a writable folder")
     return path
 
 

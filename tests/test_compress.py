@@ -241,3 +241,21 @@ def test_recipe_values_of_the_wrong_kind_are_refused(field, value, words):
 
     with pytest.raises(ConfigError, match=words):
         Recipe(method="gptq", **{field: value}).validate()
+
+
+def test_the_library_call_with_a_missing_model_creates_no_folders(tmp_path):
+    from slmedge.compress.api import compress
+    from slmedge.errors import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError):
+        compress(str(tmp_path / "nomodel"), None, tmp_path / "a" / "b" / "c")
+    assert not (tmp_path / "a").exists()
+
+
+def test_an_output_under_a_file_is_refused_before_loading(tiny_models, tmp_path):
+    from slmedge.compress.api import compress
+    from slmedge.errors import SlmedgeError
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SlmedgeError, match="not a writable folder"):
+        compress(str(tiny_models("llama")), None, tmp_path / "f" / "out")

@@ -11,7 +11,7 @@ import torch
 from ..data.calibration import load_calibration
 from ..errors import ConfigError
 from ..fsutil import check_output_dir
-from ..models.source import LoadedModel, load
+from ..models.source import LoadedModel, load, resolve
 from .artifact import MANIFEST, write_artifact
 from .engine import CompressionResult, compress_model, is_skipped, resolve_device
 from .methods import get_method
@@ -128,6 +128,7 @@ def compress(
     dev = resolve_device(device)
     if write:
         output = Path(output) if output is not None else default_output(model or "smollm2-135m", recipe)
+        resolve(model, revision)  # a missing model is said first, and creates nothing
         check_output_dir(output, overwrite, MANIFEST, inputs=[model])
     started = time.perf_counter()
     loaded = load(model, revision=revision, trust_remote_code=trust_remote_code)
