@@ -32,13 +32,15 @@ class CalibrationSet:
     identity: dict
 
 
-def read_texts(spec: str, data: str | Path | None = None, text_field: str = "text") -> tuple[list[str], dict]:
-    """The documents a spec names, and where they came from (with file hashes)."""
+def calibration_sources(spec: str, data: str | Path | None = None) -> tuple[str, object]:
+    """Where a calibration spec's text comes from, without reading it: ``("hub", dataset)``,
+    ``("file", path)`` for a user file, or ``("data", [relative paths])`` in the data (shipped, or
+    the ``--data-dir`` overlay). An unknown name is a bad setting; a missing file a missing input."""
     if spec.startswith("hf:"):
-        return _hub_texts(spec[3:], text_field)
+        return "hub", spec[3:]
     path = Path(spec).expanduser()
     if path.is_file():
-        return _file_texts(path, text_field), {"files": {str(path.resolve()): sha256_file(path)}}
+        return "file", path
     name, _, arg = spec.partition(":")
     if not (name == "c4" and not arg) and name != "multilingual":
         choices = "give c4, multilingual[:LANGS], a .txt/.jsonl file, or hf:DATASET"
@@ -46,19 +48,27 @@ def read_texts(spec: str, data: str | Path | None = None, text_field: str = "tex
             what = "is not a file" if path.exists() else "does not exist"
             raise DataError(f"calibration file {spec} {what}; {choices}")
         raise UnknownDataError(f"calibration data '{spec}' not found: {choices}")  # a name: a bad setting
-    files = data_files(data)
     if name == "c4":
-        rels = ["calibration/c4_en.jsonl"]
-    else:
-        available = files.names("calibration/multilingual", ".txt")
-        langs = [lang.strip() for lang in arg.split(",") if lang.strip()] if arg else available
-        unknown = [lang for lang in langs if lang not in available]
-        if unknown:
-            raise UnknownDataError(f"no multilingual calibration text for {', '.join(unknown)}; available: {', '.join(available)}")
-        rels = [f"calibration/multilingual/{lang}.txt" for lang in langs]
+        return "data", ["calibration/c4_en.jsonl"]
+    available = data_files(data).names("calibration/multilingual", ".txt")
+    langs = [lang.strip() for lang in arg.split(",") if lang.strip()] if arg else available
+    unknown = [lang for lang in langs if lang not in available]
+    if unknown:
+        raise UnknownDataError(f"no multilingual calibration text for {', '.join(unknown)}; available: {', '.join(available)}")
+    return "data", [f"calibration/multilingual/{lang}.txt" for lang in langs]
+
+
+def read_texts(spec: str, data: str | Path | None = None, text_field: str = "text") -> tuple[list[str], dict]:
+    """The documents a spec names, and where they came from (with file hashes)."""
+    kind, where = calibration_sources(spec, data)
+    if kind == "hub":
+        return _hub_texts(where, text_field)
+    if kind == "file":
+        return _file_texts(where, text_field), {"files": {str(where.resolve()): sha256_file(where)}}
+    files = data_files(data)
     texts: list[str] = []
     hashes = {}
-    for rel in rels:
+    for rel in where:
         f = files.path(rel)
         texts.extend(_file_texts(f, text_field))
         hashes[rel] = file_sha256(f)

@@ -229,29 +229,17 @@ def _data_sha256(files, rel: str) -> str:
 
 
 def calibration_inputs(spec: str, data_dir=None) -> dict:
-    """The files a calibration spec reads (as ``slmedge.data.calibration.read_texts`` resolves it)."""
+    """The files a calibration spec reads (resolved as ``read_texts`` resolves them), by content."""
+    from ..data.calibration import calibration_sources
     from ..data.files import data_files
 
-    if spec.startswith("hf:"):
+    kind, where = calibration_sources(spec, data_dir)
+    if kind == "hub":
         return {"hub": spec}  # a Hub dataset: by name (its content is not known before loading it)
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return {spec: file_hashes().sha256(path)}
-    name, _, arg = spec.partition(":")
+    if kind == "file":
+        return {spec: file_hashes().sha256(where)}
     files = data_files(data_dir)
-    if name == "c4" and not arg:
-        rels = ["calibration/c4_en.jsonl"]
-    elif name == "multilingual":
-        available = files.names("calibration/multilingual", ".txt")
-        langs = [lang.strip() for lang in arg.split(",") if lang.strip()] if arg else available
-        unknown = [lang for lang in langs if lang not in available]
-        if unknown:
-            raise DataError(f"no multilingual calibration text for {', '.join(unknown)}; available: {', '.join(available)}")
-        rels = [f"calibration/multilingual/{lang}.txt" for lang in langs]
-    else:
-        raise DataError(f"calibration data '{spec}' not found: give c4, multilingual[:LANGS], a .txt/.jsonl file, "
-                        "or hf:DATASET")
-    return {rel: _data_sha256(files, rel) for rel in rels}
+    return {rel: _data_sha256(files, rel) for rel in where}
 
 
 def _corpus_sha256(name: str, data_dir) -> str:
