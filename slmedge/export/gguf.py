@@ -29,15 +29,14 @@ from ..compress.artifact import MANIFEST
 from ..errors import OutputExistsError, UnsupportedArchitectureError
 from ..fsutil import sha256_file
 from ..models.architectures import ARCHITECTURES, Architecture, GGUFLayout
-from ..models.gguf_seal import placeholder_manifest, seal_gguf
+from ..models.gguf_seal import check_gguf, placeholder_manifest, seal_gguf
 from .errors import ExportError, GGUFExportError, GGUFVerificationError
 from .formats import get_format, register_format
 from .gguf_hparams import add_hparams, hparam
 from .gguf_quant import (QTYPES, QType, cannot_place, check_requantized, codes_to_blocks,  # noqa: F401 - re-exported
                          llamacpp_quantize, permute_rows, unpermute_rows)
 from .gguf_vocab import add_tokenizer, model_name, pre_tokenizer_name  # noqa: F401 - re-exported
-from .inspect import (MANIFEST_KEY, gguf_model_facts, gguf_rows, inspect_gguf, read_gguf_manifest,
-                      verified_gguf_manifest)
+from .inspect import MANIFEST_KEY, gguf_model_facts, gguf_rows, inspect_gguf, read_gguf_manifest
 from .source import ExportSource, iter_weights, open_export_source
 from .verify import check_logits, probe_text, source_tokenizer, torch_logits
 
@@ -158,7 +157,7 @@ def _ours(path: Path) -> bool:
 
 
 @register_format("gguf", label="GGUF", single_file=True, suffix=".gguf", complete=lambda out: Path(out).is_file(),
-                 read_manifest=read_gguf_manifest, verified_manifest=verified_gguf_manifest, types=tuple(QTYPES), tolerances=TOLERANCES,
+                 read_manifest=read_gguf_manifest, verified_manifest=check_gguf, types=tuple(QTYPES), tolerances=TOLERANCES,
                  options=("keep_f16_uncoded",), error=GGUFExportError, report_rows=_report_rows,
                  inspect=inspect_gguf, inspect_rows=gguf_rows, magic=b"GGUF", model_facts=gguf_model_facts,
                  tokenizer="inside", type_key="qtype", torch_source=True, packages=("gguf",))

@@ -10,8 +10,8 @@ import numpy as np
 from ..errors import ArtifactError, SlmedgeError
 from ..fsutil import check_seal, sha256_file
 from ..models.artifact_format import MANIFEST, is_artifact
-from ..models.gguf_seal import MANIFEST_KEY, check_gguf
-from .formats import FORMATS
+from ..models.gguf_seal import MANIFEST_KEY
+from .formats import FORMATS, format_for_path
 
 # Where each export keeps its manifest (what it was written from, per tensor its type and whether
 # its codes were kept): a GGUF in this metadata key (MANIFEST_KEY), an ONNX export in this file of
@@ -31,20 +31,13 @@ def inspect_path(path) -> dict:
     if not p.exists():
         raise InspectError(f"{p} does not exist")
     formats = [f for f in FORMATS.values() if f.inspect is not None]
-    found = None
-    if p.is_file():
-        found = next((f for f in formats if f.suffix and p.suffix.lower() == f.suffix), None)
-        if found is None:
-            with open(p, "rb") as handle:
-                magic = handle.read(max((len(f.magic) for f in formats), default=0))
-            found = next((f for f in formats if f.magic and magic.startswith(f.magic)), None)
-    elif p.is_dir():
-        found = next((f for f in formats if f.recognizes is not None and f.recognizes(p)), None)
-        if found is None:
-            if is_artifact(p):
-                return inspect_artifact(p)
-            raise InspectError(f"{p} is a folder but neither an export nor an slmedge artifact (it has no .onnx "
-                               f"model and no {MANIFEST}); inspect takes {_what_inspect_takes(formats)}")
+    name = format_for_path(p)  # by suffix, by a look inside a folder, or by a file's first bytes
+    found = FORMATS[name] if name is not None and FORMATS[name].inspect is not None else None
+    if found is None and p.is_dir():
+        if is_artifact(p):
+            return inspect_artifact(p)
+        raise InspectError(f"{p} is a folder but neither an export nor an slmedge artifact (it has no .onnx "
+                           f"model and no {MANIFEST}); inspect takes {_what_inspect_takes(formats)}")
     if found is None:
         raise InspectError(f"{p} is not {_what_inspect_takes(formats)}")
     checked = found.checked_manifest(p)
@@ -79,12 +72,6 @@ def read_onnx_manifest(path) -> dict | None:
     folder = p if p.is_dir() else p.parent
     f = folder / EXPORT_MANIFEST
     return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
-
-
-def verified_gguf_manifest(path) -> dict | None:
-    """The manifest of a GGUF export after checking the file and the manifest against the digests
-    it records (ArtifactError when either changed); None: a GGUF slmedge did not write."""
-    return check_gguf(path)
 
 
 def verified_onnx_manifest(path) -> dict | None:
