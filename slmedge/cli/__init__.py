@@ -13,6 +13,7 @@ try:
     import typer
     from typer.core import TyperGroup
 
+    from .artifact import artifact_app
     from .common import INTERRUPTED, print_interrupted, state
     from .compress import compress_command
     from .data import data_app
@@ -67,6 +68,7 @@ app.command("run")(run_command)
 app.command("methods")(methods_command)
 app.add_typer(targets_app, name="targets")
 app.add_typer(data_app, name="data")
+app.add_typer(artifact_app, name="artifact")
 app.command("study")(study_command)
 app.command("report")(report_command)
 

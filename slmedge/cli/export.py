@@ -155,7 +155,14 @@ def inspect_command(
             table.add_row("recipe", json.dumps(info["recipe"]))
             table.add_row("compressed linears", str(info["compressed_linears"]))
             table.add_row("files", ", ".join(f"{n} {_fmt_bytes(b)}" for n, b in info["files"].items()))
+            table.add_row("format version", f"{info['format_version']}" + (" (dense fp32 weights)" if info["format_version"] < 2
+                                                                           else " (compact: weights rebuilt from the codes)"))
             console.print(table)
+            where = Table("what", "size", "share", title="where the bytes go")
+            total = sum(info["storage"].values()) or 1
+            for kind, n in sorted(info["storage"].items(), key=lambda kv: -kv[1]):
+                where.add_row(kind, _fmt_bytes(n), f"{n / total:.1%}")
+            console.print(where)
             return
         table.add_row("size", _fmt_bytes(info["file_bytes"]) + (" (with external data)" if info.get("external_data") else ""))
         table.add_row("weights", f"{info['params']:,} parameters, {info['bits_per_weight']} bits per weight")

@@ -156,5 +156,6 @@ def compress(
     }
     artifact = None
     if write:
-        artifact = write_artifact(output, loaded.model, loaded.tokenizer, result.layers, result.extras, manifest, overwrite)
+        artifact = write_artifact(output, loaded.model, loaded.tokenizer, result.layers, result.extras, manifest, overwrite,
+                                  source_dir=loaded.hf_dir)
     return CompressOutcome(artifact, loaded, result, summary, manifest)

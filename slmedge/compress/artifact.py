@@ -1,11 +1,15 @@
 """The artifact directory: the contract between compress, export and evaluate.
 
-- ``config.json``, tokenizer files, ``model.safetensors``: the compressed model as plain fp32
-  weights (dequantized codes, pruned zeros); ``AutoModelForCausalLM.from_pretrained(dir)`` loads
-  it with nothing else.
+- ``config.json``, ``generation_config.json``, tokenizer files.
 - ``quantization.safetensors``: per quantized linear the packed integer codes, fp16 scales,
   zero points and (act-order) column order; per pruned linear the bit-packed keep-mask; the
   searches' plain results (AWQ scales). Its metadata says bits, group size and symmetry.
+- ``weights.safetensors`` (format version 2, the default): every tensor not rebuilt from the
+  codes, in the source model's dtype when that holds it exactly (else fp32: AWQ's scaled norms,
+  SparseGPT's updated kept values of a bf16 model), and each pruned-only linear's kept values.
+  Loading rebuilds the fp32 weights bit for bit (``models.artifact_weights``). Version 1 had
+  ``model.safetensors`` instead: the whole model as dense fp32 (still read; ``write_artifact(...,
+  version=1)`` still writes it, for tests comparing the two).
 - ``slmedge.json``: recipe, base model identity, calibration identity, versions, timings, sizes
   and the sha256 of every other file. Written last; a directory without it is incomplete.
 
@@ -29,12 +33,15 @@ from safetensors.torch import save_file
 
 from .. import __version__
 from ..fsutil import atomic_directory, sealed, sha256_file, write_json_atomic
-from ..models.artifact_format import (FORMAT, FORMAT_VERSION, MANIFEST, QUANT_FILE, is_artifact, manifest_path,
-                                      open_manifest, read_manifest, verify_files)
+from ..models.artifact_format import (FORMAT, FORMAT_VERSION, MANIFEST, QUANT_FILE, WEIGHTS_FILE, format_version,
+                                      is_artifact, manifest_path, open_manifest, read_manifest, verify_files)
+from ..models.artifact_weights import KEPT_SUFFIX, rebuild_linear
 from .methods.base import LinearResult
 from .quant import QuantSpec, codes_per_byte, pack_codes, pack_mask, unpack_codes, unpack_mask
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "QUANT_FILE", "Artifact", "is_artifact", "library_versions",
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "QUANT_FILE", "WEIGHTS_FILE", "Artifact", "is_artifact", "library_versions",
            "manifest_path", "open_manifest", "quant_tensors", "read_manifest", "verify_files", "write_artifact"]
 
 
@@ -75,23 +82,121 @@ def quant_tensors(layers: dict[str, LinearResult], extras: dict[str, torch.Tenso
     return tensors, meta
 
 
-def write_artifact(dest, model, tokenizer, layers, extras, manifest: dict, overwrite: bool = False) -> Path:
-    """Write the whole directory under a temporary name, manifest last, then rename it into place."""
+def source_dtypes(folder) -> dict[str, torch.dtype]:
+    """Tensor name -> its dtype in the source folder's safetensors weights (read from the headers;
+    empty when there is no folder). What the compact artifact stores untouched tensors in."""
+    from ..models.artifact_format import safetensors_header
+
+    names = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+    out: dict[str, torch.dtype] = {}
+    if folder is None or not Path(folder).is_dir():
+        return out
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        if f.name == QUANT_FILE:
+            continue
+        for name, info in (safetensors_header(f) or {}).items():
+            if name != "__metadata__" and isinstance(info, dict) and info.get("dtype") in names:
+                out[name] = names[info["dtype"]]
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _narrowest(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` (fp32) in ``dtype`` when that holds every value exactly, else as it is."""
+    if dtype is None or dtype == t.dtype or t.dtype != torch.float32 or dtype not in _FLOATS:
+        return t
+    narrow = t.to(dtype)
+    return narrow if _same_bits(narrow.float(), t) else t
+
+
+class _Tensors:
+    """safe_open's ``get_tensor`` over an in-memory dict (to rebuild a weight before writing it)."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def get_tensor(self, name):
+        return self.tensors[name]
+
+
+def compact_tensors(model, layers: dict[str, LinearResult], quant: dict, meta: dict,
+                    dtypes: dict[str, torch.dtype]) -> tuple[dict, dict]:
+    """The tensors and metadata of a version-2 ``weights.safetensors``.
+
+    Every tensor a version-1 ``model.safetensors`` would hold (the state dict, tied duplicates
+    once), in its order. A compressed linear's weight is rebuilt from ``quant`` (codes, masks) and
+    the kept values, and compared bit for bit with the model's: only when equal is it left out
+    (listed in ``rebuilt``); otherwise the fp32 tensor itself is stored. Kept values and untouched
+    tensors are stored in the source dtype when it holds them exactly, else fp32 (lossless).
+    """
+    state = model.state_dict()
+    # Tied tensors share storage: the embedding of a model whose compressed lm_head is tied to it is
+    # that linear's weight.
+    ptr_of = {state[f"{name}.weight"].data_ptr(): name for name in layers if f"{name}.weight" in state}
+    names, seen = [], set()
+    for key, t in state.items():
+        ptr = (t.data_ptr(), tuple(t.shape))
+        if ptr in seen:  # a tied duplicate (lm_head of tied embeddings): save_pretrained drops it too
+            continue
+        seen.add(ptr)
+        names.append(key)
+    names.sort()  # the order of a safetensors file's keys, as version 1 listed them
+    tensors: dict[str, torch.Tensor] = {}
+    rebuilt: dict[str, str] = {}
+    qview = _Tensors(quant)
+    for key in names:
+        t = state[key].detach().cpu()
+        layer = ptr_of.get(state[key].data_ptr())
+        if layer is not None and t.dtype == torch.float32 and layer in meta:
+            kept = {}
+            if "bits" not in meta[layer]:
+                mask = layers[layer].mask
+                kept[key + KEPT_SUFFIX] = _narrowest(t[mask].contiguous(), dtypes.get(key))
+            again = rebuild_linear(layer, meta[layer], qview, _Tensors(kept), key)
+            if _same_bits(again, t):
+                tensors.update(kept)
+                rebuilt[key] = layer
+                continue
+        tensors[key] = _narrowest(t.contiguous(), dtypes.get(key))
+    info = {"format": "slmedge-weights", "version": 2, "rebuilt": rebuilt}
+    return tensors, info
+
+
+def write_artifact(dest, model, tokenizer, layers, extras, manifest: dict, overwrite: bool = False, *,
+                   source_dir=None, version: int = FORMAT_VERSION) -> Path:
+    """Write the whole directory under a temporary name, manifest last, then rename it into place.
+
+    ``source_dir``: the source model's folder, whose safetensors dtypes the untouched tensors keep
+    (fp32 without one). ``version=1`` writes the previous layout (dense fp32 ``model.safetensors``).
+    """
     started = time.perf_counter()
+    if version not in (1, 2):
+        raise ValueError(f"artifact format version {version} cannot be written")
     with atomic_directory(dest, overwrite=overwrite, manifest=MANIFEST) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        tensors, meta = quant_tensors(layers, extras)
+        if version == 1:
+            model.save_pretrained(tmp, safe_serialization=True)
+        else:
+            model.config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None and model.can_generate():
+                model.generation_config.save_pretrained(tmp)
+            weights, winfo = compact_tensors(model, layers, tensors, meta, source_dtypes(source_dir))
+            save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"slmedge": json.dumps(winfo, sort_keys=True)})
+            del weights
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        tensors, meta = quant_tensors(layers, extras)
         # One metadata key: safetensors writes several in no fixed order, which would make
         # artifacts of the same seed differ byte-wise.
-        info = {"format": "slmedge-quant", "version": FORMAT_VERSION, "layers": meta}
+        info = {"format": "slmedge-quant", "version": version, "layers": meta}
         save_file(tensors, str(tmp / QUANT_FILE), metadata={"slmedge": json.dumps(info, sort_keys=True)})
         files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
         manifest = dict(manifest)
         manifest.update(
             format=FORMAT,
-            format_version=FORMAT_VERSION,
+            format_version=version,
             layers=meta,
             versions=library_versions(),
             files={p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
@@ -116,7 +221,16 @@ class Artifact:
         """Check every file listed in the manifest against its sha256."""
         verify_files(self.path, self.manifest)
 
+    @property
+    def version(self) -> int:
+        return format_version(self.manifest)
+
     def load_model(self, dtype=torch.float32):
+        """The compressed model (version 2: rebuilt from the codes, the same bits as version 1's file)."""
+        if self.version >= 2:
+            from ..models.artifact_weights import load_model
+
+            return load_model(self.path, dtype)
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, use_safetensors=True)

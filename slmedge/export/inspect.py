@@ -291,8 +291,60 @@ def inspect_artifact(path: Path) -> dict:
     layers = m.get("layers", {})
     coded = [e for e in layers.values() if "bits" in e]
     return {
-        "path": str(path), "format": "slmedge-artifact", "architecture": m.get("architecture"),
+        "path": str(path), "format": "slmedge-artifact", "format_version": art.version,
+        "architecture": m.get("architecture"),
         "recipe": m.get("recipe"), "base_model": m.get("base_model"), "compressed_linears": len(coded),
         "pruned_linears": sum(1 for e in layers.values() if "sparsity" in e),
         "files": {n: f["bytes"] for n, f in m.get("files", {}).items()}, "summary": m.get("summary"),
+        "storage": artifact_storage(path, m),
     }
+
+
+# What each kind of tensor in the quantization file is, by the suffix of its name.
+_QUANT_KINDS = {".qweight": "codes", ".scales": "scales", ".zeros": "zero points", ".perm": "act-order permutations",
+                ".mask": "pruning masks"}
+
+
+def artifact_storage(path: Path, manifest: dict) -> dict:
+    """Where an artifact's bytes go: kind -> bytes (codes, scales, zero points, permutations, masks,
+    searched scales, kept values of pruned linears, untouched tensors per dtype, version 1's dense
+    fp32 weights, safetensors headers, tokenizer and config files, the manifest), from the files'
+    headers alone. The kinds add up to the directory's size."""
+    from ..models.artifact_format import QUANT_FILE, V1_WEIGHTS_FILE, WEIGHTS_FILE, safetensors_header
+    from ..models.artifact_weights import KEPT_SUFFIX
+
+    out: dict[str, int] = {}
+
+    def add(kind: str, n: int) -> None:
+        out[kind] = out.get(kind, 0) + int(n)
+
+    path = Path(path)
+    for name in sorted(manifest.get("files", {})):
+        f = path / name
+        size = f.stat().st_size
+        header = safetensors_header(f) if name.endswith(".safetensors") else None
+        if header is None:
+            add("tokenizer and config files", size)
+            continue
+        data = 0
+        for key, info in header.items():
+            if key == "__metadata__" or not isinstance(info, dict):
+                continue
+            start, end = info.get("data_offsets", (0, 0))
+            data += end - start
+            dtype = str(info.get("dtype", "?")).lower()
+            if name == QUANT_FILE:
+                kind = next((k for suffix, k in _QUANT_KINDS.items() if key.endswith(suffix)), "searched scales (AWQ)")
+            elif name == WEIGHTS_FILE:
+                kind = f"kept values of pruned linears ({dtype})" if key.endswith(KEPT_SUFFIX) else \
+                    f"tensors stored as they are ({dtype})"
+            elif name == V1_WEIGHTS_FILE:
+                kind = f"dense weights, version 1 ({dtype})"
+            else:
+                kind = f"other weights ({dtype})"
+            add(kind, end - start)
+        add("safetensors headers", size - data)
+    from ..models.artifact_format import manifest_path
+
+    add("manifest", manifest_path(path).stat().st_size)
+    return out

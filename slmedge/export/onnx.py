@@ -41,7 +41,7 @@ from .formats import get_format, register_format
 from .inspect import (EXPORT_MANIFEST, inspect_onnx, is_onnx_folder, onnx_model_facts, onnx_model_files, onnx_rows,
                       read_onnx_manifest, verified_onnx_manifest)
 from .source import iter_weights, open_export_source
-from .verify import check_logits, compare_logits, probe_text, source_tokenizer, torch_logits
+from .verify import check_logits, compare_logits, probe_text, source_tokenizer, torch_logits, torch_model
 
 ONNX_TYPES = ("fp32", "fp16", "int4", "int8", "int8-dynamic")
 LARGE = 2 * 1024**3 - 64 * 1024**2  # protobuf's 2 GB limit, with room for the graph itself
@@ -308,7 +308,13 @@ def _save(model, path: Path) -> None:
 
 
 def _optimum_export(src_path: Path, out: Path, fp16: bool) -> None:
+    """optimum's text-generation-with-past export of ``src_path``. A compact artifact has no HF
+    weights file for optimum to read: its model is rebuilt in memory (the same weights, bit for bit)
+    and handed to optimum's exporter as ``main_export`` would after loading a folder, so the graph
+    is the one a version-1 artifact gives, without writing a dense fp32 copy to disk first."""
     from optimum.exporters.onnx import main_export
+
+    from ..models.artifact_format import is_artifact, is_compact
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -319,11 +325,30 @@ def _optimum_export(src_path: Path, out: Path, fp16: bool) -> None:
         logging.getLogger("optimum").setLevel(logging.ERROR)
         hf_logging.set_verbosity_error()
         try:
-            main_export(str(src_path), output=str(out), task="text-generation-with-past", device="cpu",
-                        dtype="fp16" if fp16 else "fp32", do_validation=False, trust_remote_code=False)
+            if is_artifact(src_path) and is_compact(src_path):
+                _export_in_memory(src_path, out, fp16)
+            else:
+                main_export(str(src_path), output=str(out), task="text-generation-with-past", device="cpu",
+                            dtype="fp16" if fp16 else "fp32", do_validation=False, trust_remote_code=False)
         finally:
             logging.getLogger("optimum").setLevel(level)
             hf_logging.set_verbosity(hf_level)
+
+
+def _export_in_memory(src_path: Path, out: Path, fp16: bool) -> None:
+    """What ``main_export`` does after loading the model (optimum 2.x), from a model built here."""
+    import torch
+    from optimum.exporters.onnx.convert import onnx_export_from_model
+    from optimum.exporters.tasks import TasksManager
+    from optimum.utils.save_utils import maybe_load_preprocessors
+
+    model = torch_model(src_path, torch.float16 if fp16 else torch.float32)
+    TasksManager.standardize_model_attributes(model, library_name="transformers")
+    model.config.use_cache = True
+    preprocessors = maybe_load_preprocessors(str(src_path), trust_remote_code=False)
+    onnx_export_from_model(model=model, output=str(out), task="text-generation-with-past", device="cpu",
+                           do_validation=False, preprocessors=preprocessors)
+    del model
 
 
 def verify_against_torch(onnx_dir: Path, src_path: Path, tolerance: dict, probe: str | None = None,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..compress.artifact import MANIFEST, QUANT_FILE, Artifact
+from ..models.artifact_format import is_artifact, is_compact
 from .errors import ExportError
 
 
@@ -54,9 +55,16 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def iter_weights(path: Path, names=None):
-    """(name, fp32 numpy array) of every weight tensor, or only those in ``names``."""
+    """(name, fp32 numpy array) of every weight tensor, or only those in ``names``: a compact
+    artifact's rebuilt from its codes, one at a time, in the order of a version-1 weights file."""
     from safetensors import safe_open
 
+    if is_artifact(path) and is_compact(path):
+        from ..models.artifact_weights import iter_tensors
+
+        for key, t in iter_tensors(path, names):
+            yield key, t.float().numpy()
+        return
     for f in weight_files(path):
         with safe_open(str(f), framework="pt") as handle:
             for key in handle.keys():

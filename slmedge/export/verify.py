@@ -30,12 +30,27 @@ def source_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path), **tokenizer_kwargs(path))
 
 
-def torch_logits(path: Path, ids: list[int]) -> np.ndarray:
-    """torch's fp32 logits (positions, vocab) of the source folder's weights for ``ids``."""
+def torch_model(path: Path, dtype=None):
+    """The fp32 (or ``dtype``) torch model of an export's source: an HF folder, or an artifact (a
+    compact one's weights rebuilt from its codes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    from ..models.artifact_format import is_artifact, is_compact
+
+    dtype = torch.float32 if dtype is None else dtype
+    if is_artifact(path) and is_compact(path):
+        from ..models.artifact_weights import load_model
+
+        return load_model(path, dtype)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+
+
+def torch_logits(path: Path, ids: list[int]) -> np.ndarray:
+    """torch's fp32 logits (positions, vocab) of the source folder's weights for ``ids``."""
+    import torch
+
+    model = torch_model(path)
     model.eval()
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].float().numpy()

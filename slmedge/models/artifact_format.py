@@ -17,8 +17,12 @@ from ..fsutil import check_seal, sha256_file
 
 MANIFEST = "slmedge.json"  # written last: a directory without it is incomplete
 QUANT_FILE = "quantization.safetensors"
+# Version 2: the tensors that are not rebuilt from the codes (untouched ones in the source's dtype,
+# pruned-only linears' kept values); version 1 had the whole model as dense fp32 instead.
+WEIGHTS_FILE = "weights.safetensors"
+V1_WEIGHTS_FILE = "model.safetensors"
 FORMAT = "slmedge-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def manifest_path(path) -> Path:
@@ -29,6 +33,19 @@ def manifest_path(path) -> Path:
 def is_artifact(path) -> bool:
     """Whether ``path`` is a complete artifact directory (its manifest is written last)."""
     return manifest_path(path).is_file()
+
+
+def format_version(manifest: dict) -> int:
+    """The artifact format a manifest was written in (1: dense fp32 ``model.safetensors``; 2: compact)."""
+    version = manifest.get("format_version", 1) if isinstance(manifest, dict) else 1
+    return version if isinstance(version, int) else 1
+
+
+def is_compact(path, manifest: dict | None = None) -> bool:
+    """Whether the artifact at ``path`` is a compact (version 2) one: no HF weights file of its own,
+    its weights rebuilt from the codes (``models.artifact_weights``)."""
+    manifest = read_manifest(path) if manifest is None else manifest
+    return format_version(manifest) >= 2
 
 
 def read_manifest(path) -> dict:
@@ -62,6 +79,9 @@ def open_manifest(path, verify: bool = True) -> dict:
         raise ArtifactError(f"{mpath} is not valid JSON: the artifact is corrupt") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{mpath} is not an slmedge artifact manifest")
+    if format_version(manifest) > FORMAT_VERSION:
+        raise ArtifactError(f"{path} is an artifact of format version {format_version(manifest)}; this slmedge "
+                            f"reads versions 1 to {FORMAT_VERSION}: upgrade slmedge")
     if verify:
         check_seal(manifest, mpath, ArtifactError)
         verify_files(path, manifest)
@@ -72,7 +92,18 @@ def open_manifest(path, verify: bool = True) -> dict:
 def quant_metadata(path) -> dict | None:
     """The ``slmedge`` metadata of the artifact's quantization file (its layers' bits, group sizes,
     shapes), read from the safetensors header alone; None when the file or the key is absent."""
-    f = Path(path) / QUANT_FILE
+    return _safetensors_metadata(Path(path) / QUANT_FILE)
+
+
+def weights_metadata(path) -> dict | None:
+    """The ``slmedge`` metadata of a compact artifact's weights file: ``rebuilt`` (tensor name -> the
+    compressed linear whose codes or kept values it is rebuilt from); None when absent."""
+    return _safetensors_metadata(Path(path) / WEIGHTS_FILE)
+
+
+def safetensors_header(f) -> dict | None:
+    """The JSON header of a safetensors file (tensor name -> dtype, shape, data_offsets; and
+    ``__metadata__``); None when unreadable."""
     try:
         with open(f, "rb") as handle:
             size = int.from_bytes(handle.read(8), "little")
@@ -81,7 +112,12 @@ def quant_metadata(path) -> dict | None:
             header = json.loads(handle.read(size))
     except (OSError, ValueError):
         return None
-    meta = (header.get("__metadata__") or {}).get("slmedge") if isinstance(header, dict) else None
+    return header if isinstance(header, dict) else None
+
+
+def _safetensors_metadata(f: Path) -> dict | None:
+    header = safetensors_header(f)
+    meta = (header.get("__metadata__") or {}).get("slmedge") if header is not None else None
     try:
         return json.loads(meta) if meta else None
     except ValueError:
@@ -95,6 +131,15 @@ def _check_layers(path: Path, manifest: dict) -> None:
     if meta is not None and "layers" in meta and meta["layers"] != manifest.get("layers"):
         raise ArtifactError(f"{manifest_path(path)} disagrees with {QUANT_FILE} about the compressed layers "
                             "(was the manifest edited?): the artifact cannot be trusted; compress again")
+    if format_version(manifest) >= 2:
+        weights = weights_metadata(path)
+        rebuilt = weights.get("rebuilt") if isinstance(weights, dict) else None
+        if not isinstance(rebuilt, dict):
+            raise ArtifactError(f"{path / WEIGHTS_FILE} has no readable slmedge metadata: the artifact is corrupt")
+        unknown = sorted(set(rebuilt.values()) - set(manifest.get("layers") or {}))
+        if unknown:
+            raise ArtifactError(f"{path / WEIGHTS_FILE} rebuilds {unknown[0]} from codes the manifest does not list: "
+                                "the artifact cannot be trusted; compress again")
 
 
 def verify_files(path, manifest: dict) -> None:

@@ -28,7 +28,7 @@ from ..errors import ModelLoadError, ModelNotFoundError, RuntimeNotInstalledErro
 from ..fsutil import atomic_directory, sha256_file, write_json_atomic
 from ..paths import cache_dir
 from .architectures import Architecture, architecture_for
-from .artifact_format import is_artifact, open_manifest
+from .artifact_format import QUANT_FILE, V1_WEIGHTS_FILE, WEIGHTS_FILE, format_version, is_artifact, open_manifest
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -224,8 +224,7 @@ def load(
         manifest = open_manifest(source.path)  # checks every checksum
         hf_dir = source.path
         identity = {"kind": "artifact", "path": str(hf_dir), "recipe": manifest.get("recipe"),
-                    "base_model": manifest.get("base_model"),
-                    "weights_sha256": manifest["files"].get("model.safetensors", {}).get("sha256")}
+                    "base_model": manifest.get("base_model"), "weights_sha256": _artifact_weights_sha(manifest)}
     elif source.kind == "hf_dir":
         hf_dir = source.path
         identity = {"kind": "hf_dir", "path": str(hf_dir), "weights_sha256": weights_digest(hf_dir)}
@@ -235,12 +234,41 @@ def load(
     target = str(hf_dir) if hf_dir is not None else source.spec
     config = _load_config(target, source, revision, trust_remote_code)
     arch = architecture_for(config)
-    model = _load_weights(target, source, revision, trust_remote_code, dtype)
+    if source.kind == "artifact" and format_version(manifest) >= 2:
+        model = _load_compact(hf_dir, dtype)
+    else:
+        model = _load_weights(target, source, revision, trust_remote_code, dtype)
     tokenizer = _load_tokenizer(target, source, revision, trust_remote_code, getattr(config, "model_type", None))
     if source.kind == "hub":
         identity["revision"] = getattr(config, "_commit_hash", None) or revision
     model.eval()
     return LoadedModel(model, tokenizer, arch, source, identity, hf_dir)
+
+
+def _artifact_weights_sha(manifest: dict) -> str | None:
+    """What an artifact's weights are, as one sha256: version 1's ``model.safetensors``; version 2's
+    weights file and codes together (the weights are rebuilt from both)."""
+    files = manifest.get("files", {})
+    if format_version(manifest) < 2:
+        return files.get(V1_WEIGHTS_FILE, {}).get("sha256")
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in (WEIGHTS_FILE, QUANT_FILE):
+        digest.update(f"{name}:{files.get(name, {}).get('sha256')}\n".encode())
+    return digest.hexdigest()
+
+
+def _load_compact(path: Path, dtype):
+    """A compact (version 2) artifact's model, its weights rebuilt from the codes."""
+    from .artifact_weights import load_model
+
+    try:
+        return load_model(path, dtype)
+    except SlmedgeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for corrupt headers
+        raise ModelLoadError(f"cannot load the weights in {path} (corrupt or incompatible file?): {_first_line(exc)}") from exc
 
 
 def embedded_gguf_path(name: str) -> Path:

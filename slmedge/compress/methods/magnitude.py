@@ -15,7 +15,7 @@ class Magnitude(Method):
 
     def compress(self, name, weight, stats):
         mask = prune_by_score(weight.abs(), self.sparsity, group="layer")
-        pruned = weight * mask
+        pruned = weight.masked_fill(~mask, 0.0)  # +0.0 where pruned (weight * mask gives -0.0 for negatives)
         if self.spec is not None:
             return rtn_result(pruned, self.spec, mask=mask)
         return LinearResult(pruned, mask=mask)

@@ -21,7 +21,7 @@ class Wanda(Method):
     def compress(self, name, weight, stats):
         score = weight.abs() * torch.sqrt(stats.scaler_row.reshape(1, -1))
         mask = prune_by_score(score, self.sparsity, group="row")
-        pruned = weight * mask
+        pruned = weight.masked_fill(~mask, 0.0)  # +0.0 where pruned (weight * mask gives -0.0 for negatives)
         if self.spec is not None:
             return rtn_result(pruned, self.spec, mask=mask)
         return LinearResult(pruned, mask=mask)
