@@ -23,10 +23,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..models.codes import (codes_per_byte, dequantize, dequantize_grouped, expand_columns, group_width, pack_codes,
+                            pack_mask, unpack_codes, unpack_mask)
+
+__all__ = ["QuantSpec", "codes_per_byte", "dequantize", "dequantize_codes", "expand_groups", "fake_quantize",
+           "find_params", "pack_codes", "pack_mask", "quantize", "quantize_groups", "unpack_codes", "unpack_mask"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class QuantSpec:
         return 2**self.bits - 1
 
     def group_width(self, columns: int) -> int:
-        return columns if self.group_size == -1 else min(self.group_size, columns)
+        return group_width(self.group_size, columns)
 
     def num_groups(self, columns: int) -> int:
         return math.ceil(columns / self.group_width(columns))
@@ -92,10 +96,6 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int
     return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    return scale * (q - zero)
-
-
 def fake_quantize(w: torch.Tensor, spec: QuantSpec, clip=None) -> torch.Tensor:
     """Round ``w`` (rows, cols) to the grid group by group and return the dequantized values."""
     return quantize_groups(w, spec, clip=clip)[0]
@@ -130,55 +130,13 @@ def quantize_groups(w: torch.Tensor, spec: QuantSpec, clip=None):
 
 def expand_groups(params: torch.Tensor, spec: QuantSpec, columns: int) -> torch.Tensor:
     """(rows, G) group parameters -> (rows, columns), one value per column."""
-    g = spec.group_width(columns)
-    return params.repeat_interleave(g, dim=1)[:, :columns]
+    return expand_columns(params, spec.group_width(columns), columns)
 
 
 def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    cols = codes.shape[1]
-    s = expand_groups(scales.float(), spec, cols)
-    z = expand_groups(zeros.float(), spec, cols)
-    return dequantize(codes.float(), s, z)
+    return dequantize_grouped(codes, scales, zeros, spec.group_width(codes.shape[1]))
 
 
-# --- packing for storage ---------------------------------------------------------------------
-
-
-def codes_per_byte(bits: int) -> int:
-    return 4 if bits <= 2 else 2 if bits <= 4 else 1
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """(rows, cols) uint8 codes -> (rows, ceil(cols/k)) bytes; element k*i+j in bits j*w.. (low first).
-
-    With 4-bit codes this is ONNX MatMulNBits' layout (element 2i in the low nibble).
-    """
-    k = codes_per_byte(bits)
-    if k == 1:
-        return codes.to(torch.uint8).contiguous()
-    width = 8 // k
-    rows, cols = codes.shape
-    pad = (-cols) % k
-    c = torch.nn.functional.pad(codes.to(torch.int32), (0, pad)).view(rows, -1, k)
-    packed = torch.zeros(rows, c.shape[1], dtype=torch.int32)
-    for j in range(k):
-        packed |= c[:, :, j] << (width * j)
-    return packed.to(torch.uint8)
-
-
-def unpack_codes(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
-    k = codes_per_byte(bits)
-    if k == 1:
-        return packed.to(torch.uint8)[:, :cols]
-    width = 8 // k
-    p = packed.to(torch.int32)
-    parts = [(p >> (width * j)) & ((1 << width) - 1) for j in range(k)]
-    return torch.stack(parts, dim=2).reshape(p.shape[0], -1)[:, :cols].to(torch.uint8)
-
-
-def pack_mask(mask: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(np.packbits(mask.numpy().astype(bool), axis=1, bitorder="little"))
-
-
-def unpack_mask(packed: torch.Tensor, cols: int) -> torch.Tensor:
-    return torch.from_numpy(np.unpackbits(packed.numpy(), axis=1, bitorder="little")[:, :cols].astype(bool))
+# Packing for storage (codes_per_byte, pack_codes, unpack_codes, pack_mask, unpack_mask) and the
+# dequantization arithmetic are defined in models.codes, which reads them when a compact artifact
+# is loaded; they are imported above.

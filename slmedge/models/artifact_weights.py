@@ -9,14 +9,13 @@ which tensors are rebuilt from which linear (``rebuilt``); those and the stored 
 tensor names a version-1 ``model.safetensors`` had, in its (sorted) order:
 
 - a quantized linear: ``scale * (code - zero)`` per group, the arithmetic the methods used when
-  they chose the codes (``compress.quant.dequantize_codes``), so the rebuilt fp32 weight has
+  they chose the codes (``models.codes``, which ``compress.quant`` re-exports), so the rebuilt fp32 weight has
   the very bits of the version-1 one (pruned weights are codes equal to the zero point);
 - a pruned-only linear: zeros, with the kept values placed where the mask is set.
 
 The writer (``compress.artifact``) rebuilds each tensor once before writing and stores the fp32
 tensor itself whenever the rebuild would not give its exact bits, so reading never approximates.
-Reading loads one tensor at a time from memory-mapped files; the quantization arithmetic is
-imported when a tensor is rebuilt, not when this module is.
+Reading loads one tensor at a time from memory-mapped files.
 """
 
 from __future__ import annotations
@@ -75,13 +74,13 @@ def rebuild_linear(layer: str, entry: dict, qf, wf, tensor_name: str):
     """The fp32 weight of one compressed linear from its codes (quantized) or mask and kept values."""
     import torch
 
-    from ..compress.quant import QuantSpec, dequantize_codes, unpack_codes, unpack_mask
+    from .codes import dequantize_grouped, group_width, unpack_codes, unpack_mask
 
     rows, cols = entry["shape"]
     if "bits" in entry:
-        spec = QuantSpec(entry["bits"], entry["group_size"], entry["symmetric"])
-        codes = unpack_codes(qf.get_tensor(f"{layer}.qweight"), spec.bits, cols)
-        return dequantize_codes(codes, qf.get_tensor(f"{layer}.scales"), qf.get_tensor(f"{layer}.zeros"), spec)
+        codes = unpack_codes(qf.get_tensor(f"{layer}.qweight"), entry["bits"], cols)
+        return dequantize_grouped(codes, qf.get_tensor(f"{layer}.scales"), qf.get_tensor(f"{layer}.zeros"),
+                                  group_width(entry["group_size"], cols))
     mask = unpack_mask(qf.get_tensor(f"{layer}.mask"), cols)
     w = torch.zeros(rows, cols, dtype=torch.float32)
     w[mask] = wf.get_tensor(tensor_name + KEPT_SUFFIX).float()
