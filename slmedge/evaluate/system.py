@@ -29,6 +29,10 @@ def path_bytes(path: Path | None) -> int | None:
         files = get_format(fmt).model_files(p) if fmt else [p]
         return sum(q.stat().st_size for q in files)
     if p.is_dir():  # an HF folder or artifact: what the runtime reads (weights)
+        from ..models.artifact_format import is_artifact, is_compact
+
+        if is_artifact(p) and is_compact(p):  # the weights are rebuilt from the codes: both files
+            return sum(q.stat().st_size for q in p.glob("*.safetensors"))
         return sum(q.stat().st_size for q in p.glob("*.safetensors") if q.name != "quantization.safetensors")
     return None
 
