@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from slmedge.cli import app
 from slmedge.compress.api import compress
-from slmedge.compress.artifact import MANIFEST, QUANT_FILE, Artifact
+from slmedge.compress.artifact import MANIFEST, QUANT_FILE, WEIGHTS_FILE, Artifact
 from slmedge.compress.quant import dequantize_codes
 from slmedge.compress.recipe import Recipe
 from slmedge.errors import ArtifactError
@@ -46,18 +46,24 @@ def test_every_method_runs_through_the_cli_on_every_architecture(model_type, met
     assert art.manifest["recipe"]["method"] == method
     assert art.manifest["architecture"] == model_type
     assert len(art.manifest["layers"]) == 2 * len(ARCHITECTURES[model_type].linear_names)
-    AutoModelForCausalLM.from_pretrained(out)
+    art.load_model()
 
 
 @pytest.mark.parametrize("method,kw", [("gptq", {}), ("awq", {}), ("sparsegpt", {"sparsity": "2:4", "bits": 4}),
                                        ("wanda", {"sparsity": "0.5", "bits": None})])
-def test_artifact_reloads_with_transformers_alone_and_same_logits(method, kw, tiny_models, calib_file, tmp_path):
+def test_artifact_reloads_with_the_same_logits_and_materializes_for_transformers_alone(method, kw, tiny_models,
+                                                                                        calib_file, tmp_path):
+    from slmedge.models.artifact_weights import materialize
+
     outcome = compress(str(tiny_models("qwen2")), small_recipe(calib_file, method=method, **kw), tmp_path / "a", device="cpu")
     ids = torch.randint(3, 300, (1, 24), generator=torch.Generator().manual_seed(0))
+    materialize(tmp_path / "a", tmp_path / "hf")
     with torch.no_grad():
         in_memory = outcome.loaded.model(ids).logits
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "a")(ids).logits
+        reloaded = Artifact.open(tmp_path / "a").load_model()(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(ids).logits
     assert torch.equal(in_memory, reloaded)
+    assert torch.equal(in_memory, plain)
 
 
 @pytest.mark.parametrize("method,kw", [("gptq", {"act_order": True}), ("awq", {}), ("rtn", {"symmetric": True}),
@@ -90,7 +96,7 @@ def test_same_seed_gives_byte_identical_artifacts(tiny_models, calib_file, tmp_p
     digests = []
     for run, seed in (("a", 3), ("b", 3), ("c", 4)):
         compress(str(tiny_models("llama")), small_recipe(calib_file, method="gptq", seed=seed), tmp_path / run, device="cpu")
-        digests.append({f: sha256_file(tmp_path / run / f) for f in ("model.safetensors", QUANT_FILE)})
+        digests.append({f: sha256_file(tmp_path / run / f) for f in (WEIGHTS_FILE, QUANT_FILE)})
         calib = json.loads((tmp_path / run / MANIFEST).read_text())["calibration"]["tokens_sha256"]
         digests[-1]["calib"] = calib
     assert digests[0] == digests[1]
@@ -105,7 +111,7 @@ def test_manifest_records_recipe_identity_versions_sizes_and_checksums(tiny_mode
     assert m["calibration"]["nsamples"] == 6 and len(m["calibration"]["files"]) == 1
     assert {"torch", "transformers", "slmedge"} <= set(m["versions"])
     assert "compress_s" in m["timings"]
-    for name in ("model.safetensors", QUANT_FILE, "config.json", "tokenizer.json"):
+    for name in (WEIGHTS_FILE, QUANT_FILE, "config.json", "tokenizer.json"):
         assert m["files"][name]["sha256"] == sha256_file(tmp_path / "a" / name)
         assert m["files"][name]["bytes"] > 0
 

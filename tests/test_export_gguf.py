@@ -182,7 +182,7 @@ def test_artifact_codes_reach_gguf_blocks_unchanged(model_type, method, kw, qtyp
     assert report["codes_kept"] == len(layers)
     manifest = json.loads(read(out)[1]["slmedge.manifest"])
     assert sum(t["codes_kept"] for t in manifest["tensors"].values()) == len(layers)
-    model = AutoModelForCausalLM.from_pretrained(art_dir)
+    model = art.load_model()
     _, _, tensors = read(out)
     heads = {"self_attn.q_proj": 4, "self_attn.k_proj": 4 if model_type == "llama" else 2}
     permuted = model_type in ("llama", "mistral")

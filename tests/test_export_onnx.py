@@ -26,7 +26,9 @@ IDS = [1, 17, 42, 99, 5, 250, 3, 77, 123, 64, 8, 300, 12, 45]
 
 
 def torch_logits(folder, ids=IDS):
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    from slmedge.export.verify import torch_model  # an HF folder, or an artifact's rebuilt model
+
+    model = torch_model(Path(folder), torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].numpy()
 
@@ -120,7 +122,7 @@ def test_artifact_codes_become_matmulnbits_unchanged(model_type, method, kw, bit
     assert report["type"] == ("int4" if bits == 4 else "int8") and report["exact"]
     assert report["codes_kept"] == len(layers)
     model = onnx.load(str(tmp_path / "onnx" / "model.onnx"))
-    torch_model = AutoModelForCausalLM.from_pretrained(art_dir)
+    torch_model = Artifact.open(art_dir).load_model()
     for name, res in layers.items():
         prefix = "/" + name.replace(".", "/") + "/MatMul"
         prefix = prefix.replace("/layers/", "/layers.")
@@ -167,7 +169,7 @@ def test_ragged_last_group_is_padded_with_its_zero_point(tiny_models, calib_file
     report = export_onnx(art, tmp_path / "onnx")
     assert report["exact"]
     model = onnx.load(str(tmp_path / "onnx" / "model.onnx"))
-    weight = AutoModelForCausalLM.from_pretrained(art).model.layers[0].self_attn.q_proj.weight.data.numpy()
+    weight = Artifact.open(art).load_model().model.layers[0].self_attn.q_proj.weight.data.numpy()
     assert np.array_equal(decode_matmulnbits(model, "/model/layers.0/self_attn/q_proj/MatMul"), weight)
 
 
@@ -241,7 +243,7 @@ def test_wrong_or_missing_checksum_is_refused(artifacts, tmp_path):
     with pytest.raises(ArtifactError, match="checksum mismatch"):
         export_onnx(art, tmp_path / "out")
     manifest = json.loads((art / "slmedge.json").read_text())
-    del manifest["files"]["model.safetensors"]["sha256"]
+    del manifest["files"]["weights.safetensors"]["sha256"]
     (art / "slmedge.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError):
         export_onnx(art, tmp_path / "out")
