@@ -41,7 +41,7 @@ from .formats import get_format, register_format
 from .inspect import (EXPORT_MANIFEST, inspect_onnx, is_onnx_folder, onnx_model_facts, onnx_model_files, onnx_rows,
                       read_onnx_manifest, verified_onnx_manifest)
 from .source import iter_weights, open_export_source
-from .verify import check_logits, compare_logits, probe_text, source_tokenizer, torch_logits, torch_model
+from .verify import check_logits, compare_logits, probe_text, source_tokenizer, torch_logits
 
 ONNX_TYPES = ("fp32", "fp16", "int4", "int8", "int8-dynamic")
 LARGE = 2 * 1024**3 - 64 * 1024**2  # protobuf's 2 GB limit, with room for the graph itself
@@ -114,76 +114,6 @@ def matmulnbits_tensors(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray
     else:
         zp = zeros.reshape(-1).copy()
     return bits, bs, b, s, zp
-
-
-def _module_of(node) -> str | None:
-    """'/model/layers.0/self_attn/q_proj/MatMul' -> 'model.layers.0.self_attn.q_proj'."""
-    name = node.name.strip("/")
-    if not name.endswith("/MatMul") or name.count("/") < 1:
-        return None
-    return name[: -len("/MatMul")].replace("/", ".")
-
-
-def place_codes(model, layers: dict, weights: dict, accuracy_level: int, exact: bool) -> tuple[dict, list[str]]:
-    """Replace MatMuls of coded linears by MatMulNBits in ``model`` (in place).
-
-    ``weights``: linear name -> fp32 (out, in) weight of the artifact, to check each match by value.
-    Returns (per-linear report, linears whose codes could not be placed).
-    """
-    from onnx import helper, numpy_helper
-
-    inits = {i.name: i for i in model.graph.initializer}
-    report, refused = {}, []
-    new_nodes, drop_inits = [], set()
-    coded = {n: r for n, r in layers.items() if r.codes is not None}
-    seen = set()
-    for node in model.graph.node:
-        layer = _module_of(node) if node.op_type == "MatMul" else None
-        res = coded.get(layer) if layer else None
-        if res is None or node.input[1] not in inits:
-            new_nodes.append(node)
-            continue
-        seen.add(layer)
-        b_init = inits[node.input[1]]
-        w = numpy_helper.to_array(b_init)
-        ref = weights.get(layer)
-        if ref is None or w.shape != ref.T.shape or not np.array_equal(w, ref.T):
-            raise ONNXExportError(f"the ONNX weight of {layer} is not the artifact's weight; refusing to place codes")
-        codes, scales, zeros = res.codes.numpy(), res.scales.numpy(), res.zeros.numpy()
-        why = cannot_place(res.spec, codes.shape[1])
-        if why is not None:
-            if exact:
-                raise ONNXExportError(f"{layer}'s codes ({res.spec.describe()}) cannot be kept in ONNX: {why}; "
-                                      "rerun without --exact to let onnxruntime re-quantize it")
-            refused.append(layer)
-            report[layer] = {"type": "requantized", "grid": res.spec.describe(), "requantized_because": why,
-                             "codes_kept": False}
-            new_nodes.append(node)
-            continue
-        bits, bs, b, s, zp = matmulnbits_tensors(codes, scales, zeros, res.spec)
-        k, n = w.shape
-        base = node.input[1]
-        tensors = [numpy_helper.from_array(b, base + "_Q"), numpy_helper.from_array(s, base + "_scales")]
-        if zp is not None:
-            tensors.append(numpy_helper.from_array(zp, base + "_zp"))
-        model.graph.initializer.extend(tensors)
-        drop_inits.add(base)
-        new_nodes.append(helper.make_node(
-            "MatMulNBits", [node.input[0], *(t.name for t in tensors)], list(node.output), name=node.name + "NBits",
-            domain="com.microsoft", K=k, N=n, bits=bits, block_size=bs, accuracy_level=accuracy_level))
-        report[layer] = {"type": f"MatMulNBits{bits}", "block_size": bs, "grid": res.spec.describe(),
-                         "zero_points": zp is not None, "codes_kept": True}
-    missing = set(coded) - seen - {"lm_head"}
-    if missing:
-        raise ONNXExportError(f"the artifact has codes for {sorted(missing)[0]} but the ONNX graph has no such MatMul")
-    del model.graph.node[:]
-    model.graph.node.extend(new_nodes)
-    keep = [i for i in model.graph.initializer if i.name not in drop_inits]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(keep)
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    return report, refused
 
 
 def untie_head(model) -> list[str]:
@@ -286,12 +216,6 @@ def _auto_type(layers: dict) -> str:
     return "int4" if max(r.spec.bits for r in coded) <= 4 else "int8"
 
 
-def _load_weights(path: Path, names) -> dict:
-    """linear name -> its fp32 (out, in) weight."""
-    want = {f"{n}.weight": n for n in names}
-    return {want[key]: w for key, w in iter_weights(path, set(want))}
-
-
 def _save(model, path: Path) -> None:
     import onnx
 
@@ -307,14 +231,20 @@ def _save(model, path: Path) -> None:
         onnx.save_model(model, str(path))
 
 
-def _optimum_export(src_path: Path, out: Path, fp16: bool) -> None:
-    """optimum's text-generation-with-past export of ``src_path``. A compact artifact has no HF
-    weights file for optimum to read: its model is rebuilt in memory (the same weights, bit for bit)
-    and handed to optimum's exporter as ``main_export`` would after loading a folder, so the graph
-    is the one a version-1 artifact gives, without writing a dense fp32 copy to disk first."""
+def _optimum_export(src_path: Path, config, out: Path, fp16: bool):
+    """optimum's text-generation-with-past export of ``src_path`` into ``out``; returns the graph
+    (``onnx.ModelProto``), its linears' stubs and the tied ones (``onnx_stub``).
+
+    The model optimum traces holds no linear weight (``onnx_stub.build_stub_model``): each linear
+    is a stub in the graph, and the caller places its weight or codes one at a time, so the model
+    is never whole, in fp32 or otherwise (a compact artifact has no dense weights at all). A
+    folder without safetensors weights (``.bin`` only) is exported by ``main_export`` as it is:
+    no stubs, every weight already in the graph."""
+    import onnx
     from optimum.exporters.onnx import main_export
 
-    from ..models.artifact_format import is_artifact, is_compact
+    from .onnx_stub import find_stubs
+    from .source import weight_files
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -325,30 +255,95 @@ def _optimum_export(src_path: Path, out: Path, fp16: bool) -> None:
         logging.getLogger("optimum").setLevel(logging.ERROR)
         hf_logging.set_verbosity_error()
         try:
-            if is_artifact(src_path) and is_compact(src_path):
-                _export_in_memory(src_path, out, fp16)
+            try:
+                weight_files(src_path)
+                has_safetensors = True
+            except Exception:  # noqa: BLE001 - ExportError: no safetensors weights
+                has_safetensors = False
+            if has_safetensors:
+                linears, tied = _export_stubs(src_path, config, out, fp16)
             else:
                 main_export(str(src_path), output=str(out), task="text-generation-with-past", device="cpu",
                             dtype="fp16" if fp16 else "fp32", do_validation=False, trust_remote_code=False)
+                linears, tied = {}, {}
         finally:
             logging.getLogger("optimum").setLevel(level)
             hf_logging.set_verbosity(hf_level)
+    model = onnx.load(str(out / "model.onnx"), load_external_data=True)
+    return model, (find_stubs(model, linears) if linears else {}), linears, tied
 
 
-def _export_in_memory(src_path: Path, out: Path, fp16: bool) -> None:
-    """What ``main_export`` does after loading the model (optimum 2.x), from a model built here."""
+def _export_stubs(src_path: Path, config, out: Path, fp16: bool):
+    """What ``main_export`` does after loading the model (optimum 2.x), from the stub model."""
     import torch
     from optimum.exporters.onnx.convert import onnx_export_from_model
     from optimum.exporters.tasks import TasksManager
     from optimum.utils.save_utils import maybe_load_preprocessors
 
-    model = torch_model(src_path, torch.float16 if fp16 else torch.float32)
+    model, linears, tied = _build_stub_model(src_path, config, torch.float16 if fp16 else torch.float32)
     TasksManager.standardize_model_attributes(model, library_name="transformers")
     model.config.use_cache = True
     preprocessors = maybe_load_preprocessors(str(src_path), trust_remote_code=False)
     onnx_export_from_model(model=model, output=str(out), task="text-generation-with-past", device="cpu",
                            do_validation=False, preprocessors=preprocessors)
     del model
+    return linears, tied
+
+
+def _build_stub_model(src_path: Path, config, dtype):
+    from .onnx_stub import build_stub_model
+
+    return build_stub_model(src_path, config, dtype, lambda names: iter_weights(src_path, names))
+
+
+def place_weights(model, stubs: dict, layers: list[str], src_path: Path, tied: dict) -> None:
+    """The stubs of ``layers`` become MatMuls with their source weights, transposed and in the
+    graph's type (``Stub.weight``), read one at a time; a tied head reads the embedding through a
+    Transpose."""
+    from .onnx_stub import replace_stubs, weight_replacement
+
+    replacements = {}
+    for layer in layers:
+        if layer in tied:
+            replacements[layer] = weight_replacement(stubs[layer], layer, None, tied[layer])
+    want = {f"{layer}.weight": layer for layer in layers if layer not in tied}
+    for key, w in iter_weights(src_path, set(want)):
+        stub = stubs[want[key]]
+        w_t = stub.weight(np.ascontiguousarray(w.T))
+        del w
+        replacements[want[key]] = weight_replacement(stub, want[key], w_t)
+    missing = [layer for layer in layers if layer not in replacements]
+    if missing:
+        raise ONNXExportError(f"{src_path} has no weight {missing[0]}.weight")
+    replace_stubs(model, stubs, replacements)
+
+
+def place_codes(model, stubs: dict, layers: dict, linears: dict, accuracy_level: int) -> dict:
+    """The stubs of the coded ``layers`` (all placeable) become MatMulNBits over the artifact's
+    codes, as they are; each linear's unpacked codes are dropped from ``layers`` once packed, so the
+    codes are held once, not twice. Returns the per-linear report."""
+    from .onnx_stub import nbits_replacement, replace_stubs
+
+    report, replacements = {}, {}
+    for layer in [name for name in stubs if name in layers]:
+        res = layers.pop(layer)
+        codes, scales, zeros = res.codes.numpy(), res.scales.numpy(), res.zeros.numpy()
+        k, n = linears[layer]
+        if codes.shape != (n, k):
+            raise ONNXExportError(f"the artifact's codes of {layer} are {codes.shape[0]}x{codes.shape[1]}, "
+                                  f"its linear is {n}x{k}; refusing to place codes")
+        grid = res.spec.describe()
+        bits, bs, b, s, zp = matmulnbits_tensors(codes, scales, zeros, res.spec)
+        del codes, scales, zeros, res
+        replacements[layer] = nbits_replacement(stubs[layer].matmul, layer, k, n, bits, bs, b, s, zp, accuracy_level)
+        report[layer] = {"type": f"MatMulNBits{bits}", "block_size": bs, "grid": grid,
+                         "zero_points": zp is not None, "codes_kept": True}
+    replace_stubs(model, stubs, replacements)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        from onnx import helper
+
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return report
 
 
 def verify_against_torch(onnx_dir: Path, src_path: Path, tolerance: dict, probe: str | None = None,
@@ -411,7 +406,6 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
     codes. The directory (model.onnx, config, tokenizer, ``slmedge-export.json``) appears only
     when complete and verified.
     """
-    import onnx
 
     started = time.perf_counter()
     key = get_format("onnx").check_type(otype)
@@ -434,27 +428,50 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
         notes.append("pruned weights are written dense with their zeros; onnxruntime gains no speed from "
                      "unstructured sparsity")
     report_layers: dict[str, dict] = {}
+    # What becomes of each coded linear, decided before any work: kept as MatMulNBits, or (codes no
+    # MatMulNBits block can hold) re-quantized by onnxruntime, or refused with --exact.
+    keep, refused = [], []
+    if key in ("int4", "int8") and has_codes:
+        bits = 4 if key == "int4" else 8
+        coded = [n for n, r in src.layers.items() if r.codes is not None]
+        too_wide = [n for n in coded if src.layers[n].spec.bits > bits]
+        if too_wide:
+            raise ONNXExportError(f"{key} cannot hold {src.layers[too_wide[0]].spec.bits}-bit codes "
+                                  f"({too_wide[0]}); use int8")
+        for name in coded:
+            res = src.layers[name]
+            why = cannot_place(res.spec, res.codes.shape[1])
+            if why is None:
+                keep.append(name)
+                continue
+            if exact:
+                raise ONNXExportError(f"{name}'s codes ({res.spec.describe()}) cannot be kept in ONNX: {why}; "
+                                      "rerun without --exact to let onnxruntime re-quantize it")
+            refused.append(name)
+            report_layers[name] = {"type": "requantized", "grid": res.spec.describe(), "requantized_because": why,
+                                   "codes_kept": False}
+        if refused:
+            msg = (f"{len(refused)} linear(s) cannot keep their codes in ONNX and are re-quantized by "
+                   f"onnxruntime (RTN, block {block_size}): their calibration is not kept")
+            warnings.warn(msg, stacklevel=2)
+            notes.append(msg)
+    # The codes to place, by linear; the source's own table is emptied so that each linear's codes
+    # are freed as soon as they are packed into the graph.
+    to_place = {n: src.layers[n] for n in keep}
+    src.layers = {n: r for n, r in src.layers.items() if n not in to_place}
     with atomic_directory(out_dir, overwrite=overwrite, manifest=EXPORT_MANIFEST) as tmp:
         stage = tmp / ".optimum"
-        _optimum_export(src.path, stage, fp16=(key == "fp16"))
-        model = onnx.load(str(stage / "model.onnx"), load_external_data=True)
+        fp16 = key == "fp16"
+        model, stubs, linears, tied = _optimum_export(src.path, src.config, stage, fp16=fp16)
+        unknown = sorted(set(to_place) - set(stubs))
+        if unknown:
+            raise ONNXExportError(f"the artifact has codes for {unknown[0]} but the ONNX graph has no such MatMul")
+        # Every linear without codes to keep gets its weight first (the head, skipped linears, all of
+        # them for fp32/fp16/int8-dynamic), while the graph is small; the codes go in last.
+        place_weights(model, stubs, [n for n in stubs if n not in to_place], src.path, tied)
         head = []
         if key in ("int4", "int8"):
             bits = 4 if key == "int4" else 8
-            refused = []
-            if has_codes:
-                coded = [n for n, r in src.layers.items() if r.codes is not None]
-                too_wide = [n for n in coded if src.layers[n].spec.bits > bits]
-                if too_wide:
-                    raise ONNXExportError(f"{key} cannot hold {src.layers[too_wide[0]].spec.bits}-bit codes "
-                                          f"({too_wide[0]}); use int8")
-                report_layers, refused = place_codes(model, src.layers, _load_weights(src.path, coded),
-                                                     accuracy_level, exact)
-                if refused:
-                    msg = (f"{len(refused)} linear(s) cannot keep their codes in ONNX and are re-quantized by "
-                           f"onnxruntime (RTN, block {block_size}): their calibration is not kept")
-                    warnings.warn(msg, stacklevel=2)
-                    notes.append(msg)
             if not keep_fp32_head:
                 untie_head(model)
             remaining = [n.name for n in model.graph.node if n.op_type == "MatMul"
@@ -470,6 +487,12 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
                 emb = embeddings_to_fp16(model)
                 if emb:
                     notes.append(f"token embedding stored in fp16 ({', '.join(emb)})")
+            if to_place:
+                from .onnx_stub import find_stubs
+
+                stubs = find_stubs(model, {n: linears[n] for n in to_place})
+                report_layers.update(place_codes(model, stubs, to_place, linears, accuracy_level))
+                report_layers = {n: report_layers[n] for n in linears if n in report_layers}
         final = tmp / "model.onnx"
         if key == "int8-dynamic":
             from onnxruntime.quantization import QuantType, quantize_dynamic
