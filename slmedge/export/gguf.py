@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..compress.artifact import MANIFEST
+from ..compress.quant import QuantSpec
 from ..errors import OutputExistsError, UnsupportedArchitectureError
 from ..fsutil import sha256_file
 from ..models.architectures import ARCHITECTURES, Architecture, GGUFLayout
@@ -37,7 +38,7 @@ from .gguf_quant import (QTYPES, QType, cannot_place, check_requantized, codes_t
                          llamacpp_quantize, permute_rows, unpermute_rows)
 from .gguf_vocab import add_tokenizer, model_name, pre_tokenizer_name  # noqa: F401 - re-exported
 from .inspect import MANIFEST_KEY, gguf_model_facts, gguf_rows, inspect_gguf, read_gguf_manifest
-from .source import ExportSource, iter_weights, open_export_source
+from .source import ExportSource, iter_weights, open_export_source, weight_shapes
 from .verify import check_logits, probe_text, source_tokenizer, torch_logits
 
 # The architectures written as GGUF (model_type -> layout), as the architecture table says.
@@ -72,7 +73,7 @@ class _Source(ExportSource):
 
 def _open_source(source) -> _Source:
     try:
-        base = open_export_source(source)
+        base = open_export_source(source, lazy_layers=True)  # one linear's codes at a time
     except ExportError as exc:
         raise GGUFExportError(str(exc)) from exc
     if base.model_type not in GGUF_ARCHITECTURES:
@@ -114,20 +115,115 @@ def verify_against_torch(gguf_path: Path, src: ExportSource, tolerance: dict, pr
                         GGUFVerificationError, tokenizer_agrees=same_tokens)
 
 
+# --- the tensors, planned then streamed ---------------------------------------------------------
+
+
+@dataclass
+class _Planned:
+    """One GGUF tensor: what the header says of it, and how its data is built from the source's weight."""
+
+    name: str  # the GGUF name
+    hf_name: str  # the source weight it is built from
+    from_copy: str | None  # a tied head written as its own tensor: the weight read again (the embedding)
+    shape: tuple  # the source weight's shape
+    dtype: np.dtype  # float32, float16, or uint8 (blocks of type ``raw``)
+    raw: object  # the ggml type of placed code blocks, else None
+    heads: int | None  # q/k rows permuted for llama.cpp's rotary over this many heads
+    norm_offset: float  # added to a (Gemma) norm weight
+    layer: str | None = None  # the compressed linear whose codes are placed
+    spec: object = None
+    qtype: QType | None = None  # the block type they are placed in
+
+    @property
+    def shape_written(self) -> tuple:
+        """The data's numpy shape: blocks are (rows, bytes per row)."""
+        if self.raw is None:
+            return self.shape
+        import gguf
+
+        block, type_size = gguf.GGML_QUANT_SIZES[self.raw]
+        return (self.shape[0], self.shape[1] // block * type_size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape_written, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _stream(plan: list[_Planned], src: _Source, extras: dict, skipped: set):
+    """(planned tensor, its source weight as fp32 numpy) in the plan's order, one at a time: the source's
+    weights in their files' order (but those in ``skipped``: a tied lm_head, written as token_embd), then
+    a tied head's copy (the embedding read again), then the extras."""
+    items = iter(plan)
+    pending = next(items, None)
+    weights = iter_weights(src.path)
+    for hf_name, w in weights:
+        if hf_name in skipped:
+            continue
+        if pending is None or pending.from_copy or pending.hf_name in extras or hf_name != pending.hf_name:
+            raise GGUFExportError(f"{src.path}: tensor {hf_name} came where "
+                                  f"{pending.hf_name if pending else 'no tensor'} was planned; cannot export it")
+        yield pending, w
+        del w
+        pending = next(items, None)
+        if pending is None or pending.from_copy or pending.hf_name in extras:
+            break
+    weights.close()
+    while pending is not None:
+        if pending.from_copy:
+            [(_, w)] = list(iter_weights(src.path, {pending.from_copy}))
+        elif pending.hf_name in extras:
+            w = extras[pending.hf_name]
+        else:
+            raise GGUFExportError(f"{src.path}: tensor {pending.hf_name} was listed but could not be read")
+        yield pending, w
+        pending = next(items, None)
+
+
+def _build(item: _Planned, w: np.ndarray, src: _Source, report_tensors: dict) -> np.ndarray:
+    """The GGUF data of one planned tensor from its source weight (codes placed as blocks, or a float cast)."""
+    import gguf
+
+    if item.norm_offset:
+        w = w + np.float32(item.norm_offset)
+    if item.heads is not None:
+        w = permute_rows(w, item.heads)
+    if tuple(w.shape) != item.shape:
+        raise GGUFExportError(f"tensor {item.hf_name} has shape {tuple(w.shape)}, its header said {item.shape}")
+    if item.raw is None:
+        return w.astype(item.dtype, copy=False)
+    res = src.layers[item.layer]
+    codes, scales, zeros = res.codes.numpy(), res.scales.numpy(), res.zeros.numpy()
+    if item.heads is not None:
+        codes, scales, zeros = (permute_rows(a, item.heads) for a in (codes, scales, zeros))
+    blocks = codes_to_blocks(codes, scales, zeros, item.spec, item.qtype)
+    decoded = gguf.quants.dequantize(blocks, item.raw)
+    report_tensors[item.name]["max_abs_diff"] = float(np.abs(decoded - w).max())
+    return blocks
+
+
 # --- the export -------------------------------------------------------------------------------
 
 
-def _auto_qtype(layers: dict) -> str:
+def _grids(layers) -> dict[str, tuple[QuantSpec, int]]:
+    """name -> (grid, input columns) of every linear that holds codes; from the manifest's entries alone
+    (no codes read) where the layers are read lazily (``LazyLayers``)."""
+    entries = getattr(layers, "entries", None)
+    if entries is not None:
+        return {n: (QuantSpec(e["bits"], e["group_size"], e["symmetric"]), int(e["shape"][1]))
+                for n, e in entries.items() if "bits" in e}
+    return {n: (r.spec, r.codes.shape[1]) for n, r in layers.items() if r.codes is not None}
+
+
+def _auto_qtype(layers) -> str:
     """The smallest type that holds every layer's codes as they are; else the commonest natural one."""
-    coded = [res for res in layers.values() if res.codes is not None]
+    coded = list(_grids(layers).values())
     if not coded:
         return "f16"
     for name in ("q4_0", "q4_1", "q8_0"):
-        if all(cannot_place(r.spec, r.codes.shape[1], QTYPES[name]) is None for r in coded):
+        if all(cannot_place(spec, cols, QTYPES[name]) is None for spec, cols in coded):
             return name
     counts: dict[str, int] = {}
-    for res in coded:
-        s = res.spec
+    for s, _ in coded:
         name = ("q4_0" if s.symmetric else "q4_1") if s.bits <= 4 else "q8_0"
         counts[name] = counts.get(name, 0) + 1
     return max(counts, key=counts.get)
@@ -197,82 +293,82 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
     tmap = gguf.get_tensor_name_map(arch_enum, int(c.num_hidden_layers))
     permute = {rel: int(hparam(c, attr, c.num_attention_heads)) for rel, attr in src.layout.permute}
 
-    # Plan and build every tensor.
-    tensors: list[tuple[str, np.ndarray, object]] = []  # (gguf name, data, raw ggml type or None)
+    # Plan every tensor from the files' headers (names, shapes) and the codes' grids: the GGUF's
+    # tensor table and manifest are written before any tensor data, and the data is then built and
+    # written one tensor at a time (never the whole model in memory).
+    plan: list[_Planned] = []
     report_tensors: dict[str, dict] = {}
     requant, notes = [], []
     seen_layers = set()
-    has_codes = any(r.codes is not None for r in src.layers.values())
-    copies: list[tuple[str, np.ndarray]] = []  # a tied head llama.cpp needs as its own tensor
+    grids = _grids(src.layers)
+    has_codes = bool(grids)
+    embed_name = "model.embed_tokens.weight"
+    copies: list[tuple[str, tuple]] = []  # a tied head llama.cpp needs as its own tensor
+    skipped: set[str] = set()  # a tied lm_head: the embedding is the head
+    pruned = False  # whether a linear has a mask (read with its codes, one linear at a time)
 
-    def weights():
-        yield from iter_weights(src.path)
+    def shapes():
+        yield from weight_shapes(src.path)
         yield from copies
 
-    for hf_name, w in weights():
+    for hf_name, shape in shapes():
         from_copy = hf_name.endswith("#tied")
         hf_name = hf_name.removesuffix("#tied")
         if tied and hf_name == "lm_head.weight" and not from_copy:
+            skipped.add(hf_name)
             continue
-        if tied and src.layout.output_required and hf_name == "model.embed_tokens.weight":
-            copies.append(("lm_head.weight#tied", w))
+        if tied and src.layout.output_required and hf_name == embed_name and not from_copy:
+            copies.append(("lm_head.weight#tied", shape))
         name = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise GGUFExportError(f"tensor {hf_name} has no GGUF name for {src.layout.arch.lower()}; cannot export it")
-        if src.arch.norm_offset and hf_name.endswith("norm.weight"):
-            w = w + np.float32(src.arch.norm_offset)
         layer, _, suffix = hf_name.rpartition(".")
         heads = next((n for rel, n in permute.items() if layer.endswith("." + rel)), None)
-        if heads is not None:
-            w = permute_rows(w, heads)
-        res = src.layers.get(layer) if suffix == "weight" else None
-        if res is not None:
+        # the linear's grid and mask (its codes are read when its tensor is written)
+        spec, mask = src.layers.outline(layer) if suffix == "weight" and layer in src.layers else (None, None)
+        if suffix == "weight" and layer in src.layers:
             seen_layers.add(layer)
-        info = {"hf_name": hf_name, "shape": list(w.shape), "codes_kept": False}
-        if res is not None and res.mask is not None:
-            info["sparsity"] = round(1 - float(res.mask.float().mean()), 4)
-        if w.ndim == 1 or target.name == "f32":
-            tensors.append((name, w.astype(np.float32), None))
+        item = _Planned(name, hf_name, embed_name if from_copy else None, tuple(shape), np.dtype(np.float32), None, heads,
+                        src.arch.norm_offset if src.arch.norm_offset and hf_name.endswith("norm.weight") else 0.0)
+        info = {"hf_name": hf_name, "shape": list(shape), "codes_kept": False}
+        if mask is not None:
+            pruned = True
+            info["sparsity"] = round(1 - float(mask.float().mean()), 4)
+        del mask
+        if len(shape) == 1 or target.name == "f32":
             info["type"] = "F32"
         elif target.name == "f16":
-            tensors.append((name, w.astype(np.float16), None))
+            item.dtype = np.dtype(np.float16)
             info["type"] = "F16"
-        elif res is not None and res.codes is not None:
-            why = cannot_place(res.spec, w.shape[1], target)
+        elif spec is not None:
+            why = cannot_place(spec, shape[1], target)
             if why is None:
-                codes, scales, zeros = res.codes.numpy(), res.scales.numpy(), res.zeros.numpy()
-                if heads is not None:
-                    codes, scales, zeros = (permute_rows(a, heads) for a in (codes, scales, zeros))
-                blocks = codes_to_blocks(codes, scales, zeros, res.spec, target)
-                ggml = gguf.GGMLQuantizationType[target.ggml]
-                decoded = gguf.quants.dequantize(blocks, ggml)
-                tensors.append((name, blocks, ggml))
-                info.update(type=target.ggml, codes_kept=True, grid=res.spec.describe(),
-                            max_abs_diff=float(np.abs(decoded - w).max()))
+                item.raw = gguf.GGMLQuantizationType[target.ggml]
+                item.layer, item.spec, item.qtype = layer, spec, target
+                item.dtype = np.dtype(np.uint8)
+                info.update(type=target.ggml, codes_kept=True, grid=spec.describe())
             else:
                 if exact:
-                    raise GGUFExportError(f"{layer}'s codes ({res.spec.describe()}) cannot be kept as {target.name}: "
+                    raise GGUFExportError(f"{layer}'s codes ({spec.describe()}) cannot be kept as {target.name}: "
                                           f"{why}; rerun without --exact to let llama.cpp re-quantize it")
-                tensors.append((name, w.astype(np.float32), None))
-                info.update(type="F32", grid=res.spec.describe(), requantized_because=why)
+                info.update(type="F32", grid=spec.describe(), requantized_because=why)
                 requant.append(name)
         elif has_codes and (keep_f16_uncoded or not target.max_bits):
             # Left unquantized by the recipe (embeddings, lm_head, skipped layers): kept at f16.
-            tensors.append((name, w.astype(np.float16), None))
+            item.dtype = np.dtype(np.float16)
             info["type"] = "F16"
         elif has_codes:
             # Left unquantized by the recipe: llama.cpp's quantizer gives them the type it would give
             # them in its own file of this type (token_embd/output often Q6_K), so sizes compare.
-            tensors.append((name, w.astype(np.float32), None))
             info.update(type="F32", uncoded=True)
             requant.append(name)
         else:
-            tensors.append((name, w.astype(np.float32), None))
             info["type"] = "F32"
             requant.append(name)
+        plan.append(item)
         report_tensors[name] = info
     # A tied lm_head is the embedding tensor itself: written (dequantized) as token_embd.
-    missing = {n for n, r in src.layers.items() if r.codes is not None} - seen_layers - ({"lm_head"} if tied else set())
+    missing = set(grids) - seen_layers - ({"lm_head"} if tied else set())
     if missing:
         raise GGUFExportError(f"the artifact has codes for {sorted(missing)[0]} but no such weight")
     if requant and src.artifact is not None and any(report_tensors[n].get("grid") for n in requant):
@@ -281,7 +377,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         warnings.warn(msg, stacklevel=2)
         notes.append(msg)
 
-    if any(r.mask is not None for r in src.layers.values()):
+    if pruned:
         notes.append("pruned weights are written dense with their zeros: llama.cpp gains no speed (and no size) "
                      "from unstructured sparsity")
     coded_requant = [n for n in requant if report_tensors[n].get("grid")]
@@ -306,18 +402,27 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         extra = add_hparams(writer, src.config, src.arch, ftype if not requant else gguf.LlamaFileType.ALL_F32)
         tok_info = add_tokenizer(writer, src)
         writer.add_string(MANIFEST_KEY, json.dumps(placeholder_manifest(manifest), sort_keys=True, default=str))
+        extras = dict(extra)
         for name, data in extra:
-            tensors.append((name, data, None))
+            plan.append(_Planned(name, name, None, tuple(data.shape), np.dtype(np.float32), None, None, 0.0))
             report_tensors[name] = {"type": "F32", "shape": list(data.shape), "codes_kept": False}
-        for name, data, raw in tensors:
-            writer.add_tensor(name, data, raw_dtype=raw)
+        for item in plan:  # the tensor table first (as GGUFWriter.add_tensor would record it) ...
+            writer.add_tensor_info(item.name, item.shape_written, item.dtype, item.nbytes, raw_dtype=item.raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        # ... then each tensor's data as it is read and built, and freed before the next.
+        placed = {}  # name -> (offset, bytes) of the code blocks written, for check_requantized
+        for item, w in _stream(plan, src, extras, skipped):
+            data = _build(item, w, src, report_tensors)
+            if item.raw is not None:
+                placed[item.name] = (gguf.GGUFWriter.ggml_pad(writer.fout[0].tell(), writer.data_alignment), data.nbytes)
+            writer.write_tensor_data(data)
+            del data, w
         writer.close()
         if stage is not None:
             llamacpp_quantize(stage, tmp, target, n_threads)
-            check_requantized(tmp, tensors, report_tensors)
+            check_requantized(tmp, stage, placed, report_tensors)
         seal_gguf(tmp)  # the file's digest and the manifest's, written into the manifest in place
         verification = None
         if verify:

@@ -135,17 +135,25 @@ def llamacpp_quantize(src_path: Path, dst_path: Path, qtype: QType, n_threads: i
         raise GGUFExportError(f"llama.cpp's quantizer failed ({rc}) to write {qtype.name}")
 
 
-def check_requantized(path: Path, tensors, report_tensors: dict) -> None:
-    """After llama.cpp's quantizer: record final types; the placed codes must be byte-identical."""
+def check_requantized(path: Path, stage: Path, placed: dict, report_tensors: dict) -> None:
+    """After llama.cpp's quantizer (``stage`` -> ``path``): record final types; the codes placed in the
+    stage file (``placed``: name -> (offset, bytes) of their data there) must be byte-identical in the
+    final one. Compared one tensor at a time with plain reads (not through a reader's memory map, which
+    would count every page of both files as the process's own memory)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    placed = {name: data for name, data, raw in tensors if raw is not None}
-    for t in reader.tensors:
-        info = report_tensors.setdefault(t.name, {"codes_kept": False})
-        info["type"] = t.tensor_type.name
-        if t.name in placed:
-            if not np.array_equal(np.asarray(t.data).reshape(-1), placed[t.name].reshape(-1)):
-                raise GGUFExportError(f"llama.cpp's quantizer changed the placed codes of {t.name}")
-        elif info.get("codes_kept"):
-            info["codes_kept"] = False
+    final = [(t.name, t.tensor_type, int(t.data_offset), int(t.n_bytes)) for t in gguf.GGUFReader(str(path)).tensors]
+    with open(stage, "rb") as before, open(path, "rb") as after:
+        for name, ttype, offset, nbytes in final:
+            info = report_tensors.setdefault(name, {"codes_kept": False})
+            info["type"] = ttype.name
+            if name in placed:
+                if nbytes != placed[name][1] or _read(after, offset, nbytes) != _read(before, *placed[name]):
+                    raise GGUFExportError(f"llama.cpp's quantizer changed the placed codes of {name}")
+            elif info.get("codes_kept"):
+                info["codes_kept"] = False
+
+
+def _read(handle, offset: int, nbytes: int) -> bytes:
+    handle.seek(offset)
+    return handle.read(nbytes)

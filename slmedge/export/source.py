@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,49 @@ class ExportSource:
         return getattr(self.config, "model_type", None)
 
 
-def open_export_source(source) -> ExportSource:
+class LazyLayers(Mapping):
+    """An artifact's compressed linears (name -> ``LinearResult``: codes, scales, zeros, column order,
+    mask) read from its quantization file one at a time, when asked for, and not kept: an exporter
+    that handles one linear at a time holds one linear's codes, not the model's."""
+
+    def __init__(self, artifact: Artifact):
+        self.artifact = artifact
+        self.entries: dict = dict(artifact.manifest.get("layers") or {})
+
+    def __getitem__(self, name: str):
+        if name not in self.entries:
+            raise KeyError(name)
+        one = Artifact(self.artifact.path, {**self.artifact.manifest, "layers": {name: self.entries[name]}})
+        return one.layers()[name]
+
+    def outline(self, name: str):
+        """(grid, mask) of one linear without reading its codes: its ``QuantSpec`` (None: pruned only) and
+        its mask (None: not pruned)."""
+        from safetensors import safe_open
+
+        from ..compress.quant import QuantSpec
+        from ..models.codes import unpack_mask
+
+        entry = self.entries[name]
+        spec = QuantSpec(entry["bits"], entry["group_size"], entry["symmetric"]) if "bits" in entry else None
+        with safe_open(str(self.artifact.path / QUANT_FILE), framework="pt") as f:
+            key = f"{name}.mask"
+            mask = unpack_mask(f.get_tensor(key), entry["shape"][1]) if key in set(f.keys()) else None
+        return spec, mask
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, name) -> bool:
+        return name in self.entries
+
+
+def open_export_source(source, lazy_layers: bool = False) -> ExportSource:
+    """The export's source at ``source``; an artifact's compressed linears loaded up front, or with
+    ``lazy_layers`` read one at a time when asked for (``LazyLayers``)."""
     from transformers import AutoConfig
 
     path = Path(source)
@@ -31,7 +74,8 @@ def open_export_source(source) -> ExportSource:
     layers = {}
     if (path / MANIFEST).is_file():
         artifact = Artifact.open(path)  # checks every checksum
-        layers = artifact.layers() if (path / QUANT_FILE).is_file() else {}
+        if (path / QUANT_FILE).is_file():
+            layers = LazyLayers(artifact) if lazy_layers else artifact.layers()
     elif not (path / "config.json").is_file():
         raise ExportError(f"{path} is neither an slmedge artifact (no {MANIFEST}) nor a Hugging Face folder "
                           "(no config.json)")
@@ -70,3 +114,25 @@ def iter_weights(path: Path, names=None):
             for key in handle.keys():
                 if names is None or key in names:
                     yield key, handle.get_tensor(key).float().numpy()
+
+
+def weight_shapes(path: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every weight tensor, in the order ``iter_weights`` yields them, from the files'
+    headers alone (no tensor is read): what a writer needs to lay out a file before the data comes."""
+    from safetensors import safe_open
+
+    from ..models.artifact_format import WEIGHTS_FILE, quant_metadata, safetensors_header, weights_metadata
+
+    if is_artifact(path) and is_compact(path):
+        from ..models.artifact_weights import weight_names
+
+        header = safetensors_header(path / WEIGHTS_FILE) or {}
+        rebuilt = (weights_metadata(path) or {}).get("rebuilt", {})
+        layers = (quant_metadata(path) or {}).get("layers", {})
+        return [(n, tuple(layers[rebuilt[n]]["shape"]) if n in rebuilt else tuple(header[n]["shape"]))
+                for n in weight_names(path)]
+    out = []
+    for f in weight_files(path):
+        with safe_open(str(f), framework="pt") as handle:
+            out.extend((key, tuple(handle.get_slice(key).get_shape())) for key in handle.keys())
+    return out
