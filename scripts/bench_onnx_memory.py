@@ -64,6 +64,9 @@ threading.Thread(target=sampler, daemon=True).start()
 def wrap(modname, attr, label):
     try:
         mod = importlib.import_module(modname)
+        if "." in attr:  # Class.method
+            cls_name, attr = attr.split(".")
+            mod = getattr(mod, cls_name)
         fn = getattr(mod, attr)
     except Exception:
         return
@@ -91,10 +94,14 @@ def wrap(modname, attr, label):
     setattr(mod, attr, inner)
 
 STEPS = [
+    ("slmedge.export.onnx", "open_export_source", "open the artifact (checksums, codes)"),
+    ("slmedge.compress.artifact", "Artifact.layers", "  read every linear's codes"),
     ("slmedge.export.onnx", "torch_model", "torch model (fp32, whole)"),
     ("slmedge.export.onnx", "_build_stub_model", "stub model (no linear weights)"),
     ("optimum.exporters.onnx.convert", "onnx_export_from_model", "optimum export (all)"),
     ("torch.onnx", "export", "  torch.onnx.export (tracing + proto + write)"),
+    ("optimum.exporters.onnx.base", "OnnxConfig.fix_dynamic_axes", "  optimum fix_dynamic_axes (onnxruntime session)"),
+    ("onnxruntime", "InferenceSession.run", "    onnxruntime run"),
     ("optimum.onnx", "remove_duplicate_weights_from_tied_info", "  optimum tied-weight dedupe (load + save)"),
     ("onnx", "load", "onnx.load"),
     ("onnx", "load_model", "onnx.load"),
@@ -105,6 +112,7 @@ STEPS = [
     ("slmedge.export.onnx", "ort_quantize_matmuls", "head: onnxruntime 8-bit quantizer"),
     ("slmedge.export.onnx", "embeddings_to_fp16", "embedding -> fp16"),
     ("slmedge.export.onnx", "_save", "save model.onnx"),
+    ("onnx", "save_model", "  onnx.save_model"),
     ("slmedge.export.onnx", "verify_against_torch", "verification (all)"),
     ("slmedge.export.onnx", "torch_logits", "  torch reference logits"),
     ("slmedge.export.onnx", "streamed_logits", "  torch reference logits (streamed)"),

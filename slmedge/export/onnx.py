@@ -209,6 +209,60 @@ def _quiet_root_logger():
 # --- the export -------------------------------------------------------------------------------
 
 
+class _Shape:
+    """Stands for a tensor not read yet: only its ``shape``."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
+class _LazyLinear:
+    """A compressed linear of an artifact as its manifest describes it (``spec``; ``codes`` and
+    ``mask`` stand for the tensors by their shapes); ``load()`` reads its codes, scales and zeros
+    from ``quantization.safetensors`` when they are placed, one linear at a time."""
+
+    def __init__(self, path: Path, name: str, entry: dict, keys: set):
+        rows, cols = entry["shape"]
+        self.path, self.name = path, name
+        self.spec = QuantSpec(entry["bits"], entry["group_size"], entry["symmetric"]) if "bits" in entry else None
+        self.codes = _Shape((rows, cols)) if "bits" in entry else None
+        self.mask = _Shape((rows, cols)) if f"{name}.mask" in keys else None
+
+    def load(self):
+        """(codes (rows, cols) uint8, scales, zeros) as ``Artifact.layers`` reads them."""
+        from safetensors import safe_open
+
+        from ..compress.artifact import QUANT_FILE
+        from ..models.codes import unpack_codes
+
+        with safe_open(str(self.path / QUANT_FILE), framework="pt") as f:
+            codes = unpack_codes(f.get_tensor(f"{self.name}.qweight"), self.spec.bits, self.codes.shape[1])
+            return codes, f.get_tensor(f"{self.name}.scales"), f.get_tensor(f"{self.name}.zeros")
+
+
+def _open_source(source):
+    """``export.source.open_export_source``, but an artifact's codes are not read yet (``_LazyLinear``):
+    a 3.8B model's unpacked codes alone are 3.6 GB, and they are needed one linear at a time."""
+    from ..compress.artifact import MANIFEST, QUANT_FILE, Artifact
+    from transformers import AutoConfig
+
+    from ..models.artifact_format import safetensors_header
+    from .errors import ExportError
+    from .source import ExportSource
+
+    path = Path(source)
+    if not (path / MANIFEST).is_file() or not (path / QUANT_FILE).is_file():
+        return open_export_source(source)
+    artifact = Artifact.open(path)  # checks every checksum
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds
+        raise ExportError(f"cannot read {path / 'config.json'}: {str(exc).splitlines()[0]}") from exc
+    keys = set(safetensors_header(path / QUANT_FILE) or {})
+    layers = {name: _LazyLinear(path, name, entry, keys) for name, entry in artifact.manifest["layers"].items()}
+    return ExportSource(path, artifact, config, layers)
+
+
 def _auto_type(layers: dict) -> str:
     coded = [r for r in layers.values() if r.codes is not None]
     if not coded:
@@ -327,7 +381,10 @@ def place_codes(model, stubs: dict, layers: dict, linears: dict, accuracy_level:
     report, replacements = {}, {}
     for layer in [name for name in stubs if name in layers]:
         res = layers.pop(layer)
-        codes, scales, zeros = res.codes.numpy(), res.scales.numpy(), res.zeros.numpy()
+        if isinstance(res, _LazyLinear):
+            codes, scales, zeros = (t.numpy() for t in res.load())
+        else:
+            codes, scales, zeros = res.codes.numpy(), res.scales.numpy(), res.zeros.numpy()
         k, n = linears[layer]
         if codes.shape != (n, k):
             raise ONNXExportError(f"the artifact's codes of {layer} are {codes.shape[0]}x{codes.shape[1]}, "
@@ -412,7 +469,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
     if block_size < 16 or block_size & (block_size - 1):
         raise ONNXExportError(f"block size must be a power of two >= 16, got {block_size}")
     check_output_dir(out_dir, overwrite, EXPORT_MANIFEST, inputs=[source])  # before any work
-    src = open_export_source(source)
+    src = _open_source(source)
     supported = onnx_architectures()
     if src.model_type not in supported:
         raise UnsupportedArchitectureError(
