@@ -7,6 +7,10 @@ perplexity and theirs. llm-compressor runs in its own virtualenv (it needs trans
 created by scripts/bench/llmc_env.sh; it gets our token ids, never re-tokenizes. Times are the
 compression call alone (their ``oneshot``, our calibration + compression), run one after the
 other, never at the same time: on 2 cores anything running beside a timed run distorts it.
+The 1-minute load average (``uptime``) is recorded before and after each timed call (columns
+``load``: ours before/after, theirs before/after): a load above the core count means something
+else shared the cores, and both sides' times are then inflated (ratios within one run still
+compare like with like only when the loads are alike).
 
     .venv/bin/python scripts/bench_compress.py                 # default methods
     .venv/bin/python scripts/bench_compress.py --methods gptq,wanda --no-peer
@@ -96,17 +100,22 @@ def main() -> int:
         ours_kw, theirs = CONFIGS[name]
         recipe = Recipe(nsamples=args.nsamples, seqlen=args.seqlen, **ours_kw)
         # Same model, tokens and windows: calibration tokens come from the same spec and seed.
+        load_before = os.getloadavg()[0]
         outcome = compress(None, recipe, write=False, device="cpu")
+        load_after = os.getloadavg()[0]
         ours_s = outcome.result.timings["compress_s"]
         ours_ppl = eval_ppl(outcome.loaded.model, windows)
+        row = {"method": name, "ours_s": ours_s, "ours_ppl": ours_ppl, "ours_load": [load_before, load_after],
+               "ours_timings": dict(outcome.result.timings)}
         del outcome
-        row = {"method": name, "ours_s": ours_s, "ours_ppl": ours_ppl}
         if peer_py is not None:
             out = work / f"{name}.json"
+            load_before = os.getloadavg()[0]
             subprocess.run([str(peer_py), str(ROOT / "scripts" / "bench" / "llmc_worker.py"), "--model",
                             str(load(None).hf_dir), "--calib", str(work / "calib.safetensors"), "--eval",
                             str(work / "eval.safetensors"), "--recipe", json.dumps(theirs), "--out", str(out)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            row["theirs_load"] = [load_before, os.getloadavg()[0]]
             peer = json.loads(out.read_text()) if out.is_file() else {"status": "error", "error": "no result"}
             row.update(theirs_status=peer.get("status"), theirs_s=peer.get("seconds"), theirs_ppl=peer.get("perplexity"),
                        theirs_error=peer.get("error"), theirs_versions=peer.get("versions"))
@@ -114,7 +123,8 @@ def main() -> int:
         print(_line(row), flush=True)
 
     print()
-    print(f"{'method':<14} {'ours s':>8} {'theirs s':>9} {'ratio':>6} {'ours ppl':>9} {'theirs ppl':>10}   base {base_ppl:.2f}")
+    print(f"{'method':<14} {'ours s':>8} {'theirs s':>9} {'ratio':>6} {'ours ppl':>9} {'theirs ppl':>10} {'load (ours; theirs)':>22}"
+          f"   base {base_ppl:.2f}")
     for row in rows:
         print(_line(row))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -133,7 +143,8 @@ def _line(row: dict) -> str:
         tail = f"{'—':>9} {'—':>6} {row['ours_ppl']:>9.2f} {'—':>10}"
     else:
         tail = f"{theirs_s:>9.1f} {row['ours_s'] / theirs_s:>6.2f} {row['ours_ppl']:>9.2f} {theirs_ppl:>10.2f}"
-    return f"{row['method']:<14} {row['ours_s']:>8.1f} {tail}"
+    loads = "; ".join("{:.1f}→{:.1f}".format(*pair) for pair in (row["ours_load"], row.get("theirs_load")) if pair)
+    return f"{row['method']:<14} {row['ours_s']:>8.1f} {tail} {loads:>22}"
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 
 from ..blocks import run_block
 from ..hooks import linear_inputs, module_calls
-from ..quant import QuantSpec, fake_quantize, find_params, quantize, dequantize
+from ..quant import QuantSpec, fake_quantize, quantize_groups
 from .base import LinearResult, Method, register_method, rtn_result
 
 
@@ -54,25 +54,37 @@ def fold_scales(prev: torch.nn.Module, linears: list[torch.nn.Linear], s: torch.
 def clip_search(w: torch.Tensor, x: torch.Tensor, spec: QuantSpec, n_grid: int = 20, max_shrink: float = 0.5) -> torch.Tensor:
     """Clipping ratio per (row, group) minimising each group's partial output error: (out, G).
 
-    ``x`` is (tokens, in), a subsample of the layer's inputs.
+    ``x`` is (tokens, in), a subsample of the layer's inputs. The error of a group's clipped
+    weights ``q`` is ``mean_t (x_t . (q - w))^2`` per row, the same quantity as the reference's
+    ``(x @ q.T - x @ w.T)^2`` averaged over tokens, computed as ``d G d^T`` with ``d = q - w``
+    and ``G = x^T x / tokens`` the group's input Gram matrix: ``tokens / g`` times fewer
+    multiply-adds (64x at 4,096 tokens, g64), every group at once. The floats differ from the
+    token-by-token sum in the last bits (and are closer to the exact value: no difference of two
+    large products), so a ratio can change where two ratios' errors agree to ~1e-7.
     """
     rows, cols = w.shape
     g = spec.group_width(cols)
     n_groups = spec.num_groups(cols)
+    tokens = x.shape[0]
+    x = x.float()
     best_ratio = torch.ones(rows, n_groups, device=w.device)
-    for gi, start in enumerate(range(0, cols, g)):
-        wg = w[:, start : start + g]
-        xg = x[:, start : start + g]
-        ref = xg @ wg.t()  # (tokens, out)
-        best_err = torch.full((rows,), float("inf"), device=w.device)
+    full = cols // g
+    parts = [(0, full, g)] + ([(full * g, 1, cols - full * g)] if cols % g else [])
+    for start, count, width in parts:
+        wp = w[:, start : start + count * width].float()
+        xp = x[:, start : start + count * width].reshape(tokens, count, width).transpose(0, 1)  # (G, t, g)
+        gram = torch.bmm(xp.transpose(1, 2), xp) / tokens  # (G, g, g)
+        best_err = torch.full((count, rows), float("inf"), device=w.device)
+        best = torch.ones(count, rows, device=w.device)
         for i in range(int(max_shrink * n_grid)):
             ratio = 1 - i / n_grid
-            scale, zero = find_params(wg, spec, clip=ratio)  # codes clamp what lies outside
-            q = dequantize(quantize(wg, scale[:, None], zero[:, None], spec.maxq), scale[:, None], zero[:, None])
-            err = (xg @ q.t() - ref).pow(2).mean(dim=0)
+            q = quantize_groups(wp, spec, clip=ratio)[0]  # codes clamp what lies outside
+            d = (q - wp).reshape(rows, count, width).transpose(0, 1)  # (G, rows, g)
+            err = (torch.bmm(d, gram) * d).sum(dim=2)  # (G, rows)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
-            best_ratio[better, gi] = ratio
+            best = torch.where(better, torch.full_like(best, ratio), best)
+        best_ratio[:, start // g : start // g + count] = best.t()
     return best_ratio
 
 

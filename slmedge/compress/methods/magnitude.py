@@ -4,7 +4,7 @@ Comparison group as in the Wanda paper's magnitude baseline: the whole layer for
 sparsity; each M consecutive weights of a row for N:M.
 """
 
-from .base import LinearResult, Method, register_method, rtn_result
+from .base import LinearResult, Method, register_method, rtn_result, single_thread
 from .pruning import prune_by_score
 
 
@@ -14,6 +14,10 @@ class Magnitude(Method):
     summary = "magnitude pruning (baseline, no calibration)"
 
     def compress(self, name, weight, stats):
+        with single_thread():  # a few elementwise passes and a top-k per weight: see single_thread
+            return self._compress(weight, stats)
+
+    def _compress(self, weight, stats):
         mask = prune_by_score(weight.abs(), self.sparsity, group="layer")
         pruned = weight.masked_fill(~mask, 0.0)  # +0.0 where pruned (weight * mask gives -0.0 for negatives)
         if self.spec is not None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import QuantSpec, dequantize, find_params, quantize
-from .base import HessianStats, LinearResult, Method, register_method
-from .gptq import prepare_hinv
+from ..quant import QuantSpec, find_params
+from .base import HessianStats, LinearResult, Method, register_method, single_thread
+from .gptq import hessian_plan, prepare_hinv  # noqa: F401 - prepare_hinv re-exported
 
 
 def sparsegpt_prune(
@@ -22,11 +22,18 @@ def sparsegpt_prune(
     spec: QuantSpec | None = None,
     blocksize: int = 128,
     percdamp: float = 0.01,
+    stats=None,
 ):
-    """Returns (W_pruned, keep_mask, codes, scales, zeros); the last three None without ``spec``."""
+    """Returns (W_pruned, keep_mask, codes, scales, zeros); the last three None without ``spec``.
+
+    ``stats`` (optional): the HessianStats holding H, where the Cholesky factor is cached.
+    Worked on transposed like GPTQ (see gptq.py), on one thread; the masks are chosen on the
+    (out, in) layout exactly as the reference does, so ties break alike.
+    """
     W = W.clone().float()
     rows, columns = W.shape
-    Hinv = prepare_hinv(H, W, percdamp)
+    _, Hinv, dead = hessian_plan(H, percdamp, False, stats)
+    W[:, dead] = 0
     prunen, prunem = (sparsity.n, sparsity.m) if sparsity.is_nm else (0, 0)
     if prunem and columns % prunem:
         raise ValueError(f"{prunen}:{prunem} sparsity needs the input width ({columns}) to be a multiple of {prunem}")
@@ -37,54 +44,57 @@ def sparsegpt_prune(
     n_groups = spec.num_groups(columns) if spec else 0
     scales = torch.zeros(rows, n_groups, device=W.device)
     zeros = torch.zeros(rows, n_groups, device=W.device)
-    codes = torch.zeros(rows, columns, dtype=torch.uint8, device=W.device) if spec else None
 
     pruned = torch.zeros_like(W, dtype=torch.bool)
-    for i1 in range(0, columns, blocksize):
-        i2 = min(i1 + blocksize, columns)
-        count = i2 - i1
-        W1 = W[:, i1:i2].clone()
-        Q1 = torch.zeros_like(W1)
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
+    with single_thread():
+        WT = W.t().contiguous()  # (in, out): input column j is the contiguous row WT[j]
+        QT = torch.empty_like(WT)
+        CT = torch.empty_like(WT) if spec else None  # codes, as float until the end
+        s = z = None
+        for i1 in range(0, columns, blocksize):
+            i2 = min(i1 + blocksize, columns)
+            count = i2 - i1
+            W1 = WT[i1:i2]  # updated in place; the block's results go to QT
+            Err1 = torch.empty(count, rows, device=W.device)
+            Hinv1 = Hinv[i1:i2, i1:i2]
+            d2 = torch.diag(Hinv1) ** 2
 
-        if prunem == 0:
-            tmp = W1**2 / (torch.diag(Hinv1).reshape(1, -1)) ** 2
-            k = int(round(tmp.numel() * sparsity.ratio))
-            mask1 = torch.zeros_like(W1, dtype=torch.bool)
-            if k:
-                mask1.view(-1)[torch.topk(tmp.flatten(), k, largest=False).indices] = True
-        else:
-            mask1 = torch.zeros_like(W1, dtype=torch.bool)
+            mask1 = torch.zeros(rows, count, dtype=torch.bool, device=W.device)
+            if prunem == 0:
+                tmp = W1.t().contiguous() ** 2 / d2.reshape(1, -1)
+                k = int(round(tmp.numel() * sparsity.ratio))
+                if k:
+                    mask1.view(-1)[torch.topk(tmp.flatten(), k, largest=False).indices] = True
 
-        for i in range(count):
-            w = W1[:, i]
-            d = Hinv1[i, i]
-            if prunem and i % prunem == 0:
-                tmp = W1[:, i : i + prunem] ** 2 / (torch.diag(Hinv1)[i : i + prunem].reshape(1, -1)) ** 2
-                mask1.scatter_(1, i + torch.topk(tmp, prunen, dim=1, largest=False).indices, True)
-            q = w.clone()
-            q[mask1[:, i]] = 0
-            if spec is not None:
-                col = i1 + i
-                gi = col // g
-                if col % g == 0:
-                    ahead = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, : min(g, columns - col)]
-                    scales[:, gi], zeros[:, gi] = find_params(ahead, spec)
-                code = quantize(q, scales[:, gi], zeros[:, gi], spec.maxq)
-                q = dequantize(code, scales[:, gi], zeros[:, gi])  # pruned: code == zero point -> 0
-                codes[:, col] = code.to(torch.uint8)
-            Q1[:, i] = q
-            err = (w - q) / d
-            W1[:, i:] -= err.unsqueeze(1).matmul(Hinv1[i, i:].unsqueeze(0))
-            Err1[:, i] = err
-        pruned[:, i1:i2] = mask1
-        W[:, i1:i2] = Q1
-        W[:, i2:] -= Err1.matmul(Hinv[i1:i2, i2:])
+            for i in range(count):
+                w = W1[i]
+                if prunem and i % prunem == 0:
+                    tmp = W1[i : i + prunem].t().contiguous() ** 2 / d2[i : i + prunem].reshape(1, -1)
+                    mask1.scatter_(1, i + torch.topk(tmp, prunen, dim=1, largest=False).indices, True)
+                q = QT[i1 + i]
+                q.copy_(w).masked_fill_(mask1[:, i], 0.0)  # +0.0 where pruned, like q[mask] = 0
+                if spec is not None:
+                    col = i1 + i
+                    if col % g == 0:
+                        ahead = WT[col : col + min(g, columns - col)]  # this block's updates so far, not the lazy ones
+                        s, z = find_params(ahead.t(), spec)
+                        scales[:, col // g], zeros[:, col // g] = s, z
+                    code = CT[col]
+                    torch.div(q, s, out=code)  # quantize: clamp(round(q / s) + z, 0, maxq)
+                    code.round_().add_(z).clamp_(0, spec.maxq)
+                    torch.sub(code, z, out=q).mul_(s)  # dequantize: s * (code - z); pruned: code == z -> 0
+                err = Err1[i]
+                torch.sub(w, q, out=err).div_(Hinv1[i, i])
+                if i + 1 < count:
+                    W1[i + 1 :].sub_(torch.outer(Hinv1[i, i + 1 :], err))
+            pruned[:, i1:i2] = mask1
+            if i2 < columns:
+                WT[i2:].sub_(Err1.t().matmul(Hinv[i1:i2, i2:]).t())
 
+    W = QT.t().contiguous()
     if spec is None:
         return W, ~pruned, None, None, None
-    return W, ~pruned, codes, scales.half(), zeros.to(torch.uint8)
+    return W, ~pruned, CT.t().to(torch.uint8).contiguous(), scales.half(), zeros.to(torch.uint8)
 
 
 @register_method("sparsegpt")
@@ -96,6 +106,6 @@ class SparseGPT(Method):
     def compress(self, name, weight, stats):
         r = self.recipe
         Wp, mask, codes, scales, zeros = sparsegpt_prune(
-            weight, stats.H, self.sparsity, self.spec, blocksize=r.block_size, percdamp=r.damp
+            weight, stats.H, self.sparsity, self.spec, blocksize=r.block_size, percdamp=r.damp, stats=stats
         )
         return LinearResult(Wp, self.spec, codes, scales, zeros, mask=mask)

@@ -7,7 +7,7 @@ weights (N:M), as in the paper.
 
 import torch
 
-from .base import InputNormStats, LinearResult, Method, register_method, rtn_result
+from .base import InputNormStats, LinearResult, Method, register_method, rtn_result, single_thread
 from .pruning import prune_by_score
 
 
@@ -19,6 +19,10 @@ class Wanda(Method):
     summary = "Wanda pruning: |weight| x input-activation norm, per output row"
 
     def compress(self, name, weight, stats):
+        with single_thread():  # a few elementwise passes and a top-k per weight: see single_thread
+            return self._compress(weight, stats)
+
+    def _compress(self, weight, stats):
         score = weight.abs() * torch.sqrt(stats.scaler_row.reshape(1, -1))
         mask = prune_by_score(score, self.sparsity, group="row")
         pruned = weight.masked_fill(~mask, 0.0)  # +0.0 where pruned (weight * mask gives -0.0 for negatives)
