@@ -48,7 +48,10 @@ class HessianStats:
         self.H *= self.nsamples / (self.nsamples + tmp)
         self.nsamples += tmp
         c = (2 / self.nsamples) ** 0.5
-        add_gram(self.H, [c * x[:, a:b] for a, b in _column_blocks(x.shape[1])])
+        # One thread: torch's CPU matmul gives the same bits on one thread as on two, and under
+        # any other load on two cores the second thread's barriers cost more than it computes.
+        with single_thread():
+            add_gram(self.H, [c * x[:, a:b] for a, b in _column_blocks(x.shape[1])])
 
 
 # Column blocks of about this width for the Gram matrix x^T x (see add_gram).
@@ -95,7 +98,8 @@ class InputNormStats:
         tmp = x.shape[0]
         self.scaler_row *= self.nsamples / (self.nsamples + tmp)
         self.nsamples += tmp
-        self.scaler_row += x.pow(2).sum(dim=0) / self.nsamples
+        with single_thread():  # see single_thread
+            self.scaler_row += x.pow(2).sum(dim=0) / self.nsamples
 
 
 @contextlib.contextmanager
