@@ -65,9 +65,24 @@ class StreamedModel:
         if left:
             raise SlmedgeError(f"{self.path} has no tensor {left[0]} (the model needs it): cannot run it")
         self._block_names = {i: [n for n in names if n.startswith(p)] for i, p in enumerate(self._prefixes)}
+        self._hooks = []
         for i, block in enumerate(self.blocks):
-            block.register_forward_pre_hook(self._make_loader(i))
-            block.register_forward_hook(self._make_freer(i))
+            self._hooks.append(block.register_forward_pre_hook(self._make_loader(i)))
+            self._hooks.append(block.register_forward_hook(self._make_freer(i)))
+
+    def close(self) -> None:
+        """Drop the model and its tensors now (the hooks refer back to this object: without this, the
+        memory waits for Python's cycle collector)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.model = self.blocks = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     # --- blocks ---------------------------------------------------------------------------------
 
@@ -137,7 +152,8 @@ def streamed_logits(path, input_ids, on_block: Callable[[int, object], None] | N
     """fp32 logits (batch, seq, vocab) of ``input_ids`` (batch, seq) under the model at ``path`` (an
     slmedge artifact of either version, or a Hugging Face folder with safetensors), computed with one
     decoder block in memory at a time: equal to those of the whole fp32 model."""
-    return StreamedModel(path, on_block=on_block)(input_ids)
+    with StreamedModel(path, on_block=on_block) as model:
+        return model(input_ids)
 
 
 # --- reading tensors ----------------------------------------------------------------------------
