@@ -19,7 +19,7 @@ from slmedge.models.artifact_format import V1_WEIGHTS_FILE, weights_metadata
 from slmedge.models.artifact_weights import KEPT_SUFFIX, iter_tensors
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny import save_tiny, tiny_model, tiny_tokenizer  # noqa: E402
+from tiny import TINY_TYPES, save_tiny, tiny_model, tiny_tokenizer  # noqa: E402
 
 METHODS = [
     ("rtn", dict(bits=4)),
@@ -172,6 +172,44 @@ def test_a_bf16_source_keeps_its_dtype_where_that_is_exact(method, kw, kept_dtyp
         # in fp32: stored fp32, so that loading gives the bits version 1 had.
         assert kept and set(kept.values()) == {kept_dtype}
     assert file_bytes(v2) < ratio * file_bytes(v1)  # version 1: everything fp32
+
+
+# --- written block by block: the same files as from the whole model -------------------------------
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != MANIFEST}
+
+
+@pytest.mark.parametrize("model_type", TINY_TYPES)
+@pytest.mark.parametrize("case", [METHODS[1], METHODS[3], METHODS[5]], ids=_id)
+def test_written_block_by_block_equals_written_whole(model_type, case, tiny_models, calib_file, tmp_path):
+    """``compress`` writes the artifact as it goes (each block freed once its compact tensors are
+    taken); the files are byte for byte those written from the model compressed whole in memory."""
+    method, kw = case
+    recipe = small_recipe(calib_file, method=method, **kw)
+    whole = compress(str(tiny_models(model_type)), recipe, write=False, device="cpu")
+    (tmp_path / "w").mkdir()
+    write_artifact(tmp_path / "w" / "art", whole.loaded.model, whole.loaded.tokenizer, whole.result.layers,
+                   whole.result.extras, whole.manifest, source_dir=whole.loaded.hf_dir)
+    streamed = compress(str(tiny_models(model_type)), recipe, tmp_path / "s" / "art", device="cpu")
+    assert streamed.loaded.model is None and set(streamed.result.layers) == set(whole.result.layers)
+    assert _files(tmp_path / "s" / "art") == _files(tmp_path / "w" / "art")
+    assert streamed.summary == whole.summary | {"timings": streamed.summary["timings"]}
+
+
+@pytest.mark.parametrize("case", [METHODS[0], METHODS[1], METHODS[3], METHODS[4], METHODS[5]], ids=_id)
+def test_a_bf16_source_written_block_by_block_equals_written_whole(case, calib_file, tmp_path):
+    """Loaded in bf16 and cast to fp32 one block at a time: the artifact of the model loaded whole in fp32."""
+    method, kw = case
+    src = _bf16_source(tmp_path)
+    recipe = small_recipe(calib_file, method=method, **kw)
+    whole = compress(str(src), recipe, write=False, device="cpu")
+    (tmp_path / "w").mkdir()
+    write_artifact(tmp_path / "w" / "art", whole.loaded.model, whole.loaded.tokenizer, whole.result.layers,
+                   whole.result.extras, whole.manifest, source_dir=whole.loaded.hf_dir)
+    streamed = compress(str(src), recipe, tmp_path / "s" / "art", device="cpu")
+    assert _files(tmp_path / "s" / "art") == _files(tmp_path / "w" / "art")
 
 
 # --- version 1 still read; a changed byte refused ------------------------------------------------------

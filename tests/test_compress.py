@@ -55,11 +55,14 @@ def test_artifact_reloads_with_the_same_logits_and_materializes_for_transformers
                                                                                         calib_file, tmp_path):
     from slmedge.models.artifact_weights import materialize
 
+    # Written, the model is consumed block by block; in memory it stays whole (fp32): the same weights.
     outcome = compress(str(tiny_models("qwen2")), small_recipe(calib_file, method=method, **kw), tmp_path / "a", device="cpu")
+    assert outcome.loaded.model is None
+    whole = compress(str(tiny_models("qwen2")), small_recipe(calib_file, method=method, **kw), write=False, device="cpu")
     ids = torch.randint(3, 300, (1, 24), generator=torch.Generator().manual_seed(0))
     materialize(tmp_path / "a", tmp_path / "hf")
     with torch.no_grad():
-        in_memory = outcome.loaded.model(ids).logits
+        in_memory = whole.model()(ids).logits
         reloaded = Artifact.open(tmp_path / "a").load_model()(ids).logits
         plain = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(ids).logits
     assert torch.equal(in_memory, reloaded)

@@ -11,8 +11,8 @@ import torch
 from ..data.calibration import load_calibration
 from ..errors import ConfigError
 from ..fsutil import check_output_dir
-from ..models.source import LoadedModel, load, resolve
-from .artifact import MANIFEST, write_artifact
+from ..models.source import SOURCE_DTYPE, LoadedModel, load, resolve
+from .artifact import MANIFEST, Artifact, CompactWeights, source_dtypes, write_artifact
 from .engine import CompressionResult, compress_model, is_skipped, resolve_device
 from .methods import get_method
 from .recipe import Recipe
@@ -21,10 +21,18 @@ from .recipe import Recipe
 @dataclass
 class CompressOutcome:
     artifact: Path | None
-    loaded: LoadedModel  # the model, compressed in memory
+    # The source as loaded: with ``write=False`` its model is the compressed model, whole, in fp32;
+    # when the artifact was written the model was consumed block by block (``loaded.model`` is None).
+    loaded: LoadedModel
     result: CompressionResult
     summary: dict
     manifest: dict
+
+    def model(self):
+        """The compressed model in fp32: in memory (``write=False``) or loaded from the artifact."""
+        if self.loaded.model is not None:
+            return self.loaded.model
+        return Artifact.open(self.artifact).load_model()
 
 
 def default_output(source_name: str, recipe: Recipe) -> Path:
@@ -87,21 +95,15 @@ def check_compatible(loaded: LoadedModel, recipe: Recipe) -> None:
 
 def summarize(model, result: CompressionResult, recipe: Recipe) -> dict:
     total = sum(p.numel() for p in model.parameters())
-    comp = sum(r.weight.numel() for r in result.layers.values())
-    kept = sum(int(r.mask.sum()) for r in result.layers.values() if r.mask is not None)
-    masked = sum(r.mask.numel() for r in result.layers.values() if r.mask is not None)
-    bits = 0.0
-    for r in result.layers.values():
-        if r.codes is not None:
-            rows, cols = r.codes.shape
-            groups = r.scales.shape[1]
-            zero_bits = 0 if r.spec.symmetric else r.spec.bits
-            bits += r.codes.numel() * r.spec.bits + rows * groups * (16 + zero_bits)
-    quantized = sum(r.codes.numel() for r in result.layers.values() if r.codes is not None)
+    counts = result.counts.values()
+    kept = sum(c["kept"] for c in counts)
+    masked = sum(c["masked"] for c in counts)
+    quantized = sum(c["quantized"] for c in counts)
+    bits = sum(c["code_bits"] for c in counts)
     return {
         "recipe": recipe.describe(),
         "parameters": total,
-        "compressed_parameters": comp,
+        "compressed_parameters": sum(c["parameters"] for c in counts),
         "compressed_linears": len(result.layers),
         "sparsity": round(1 - kept / masked, 6) if masked else 0.0,
         "bits_per_weight": round(bits / quantized, 4) if quantized else None,
@@ -123,7 +125,15 @@ def compress(
     progress=None,
     write: bool = True,
 ) -> CompressOutcome:
-    """Compress a model source with ``recipe`` and (unless ``write=False``) write the artifact."""
+    """Compress a model source with ``recipe`` and (unless ``write=False``) write the artifact.
+
+    Writing, the model is loaded in its own dtype (bf16 stays bf16), each block is computed in fp32
+    in its turn, and its compact tensors (codes, kept values, untouched tensors) replace it
+    (``compress.engine``'s sink, ``CompactWeights``): the peak is about the source's size, one block
+    in fp32, the tensors outside the blocks in fp32 and the calibration activations; the model is
+    never whole in fp32. With ``write=False`` the model is loaded in fp32 and stays whole in memory,
+    compressed (``CompressOutcome.model``).
+    """
     recipe = (recipe or Recipe()).validate()
     dev = resolve_device(device)
     if write:
@@ -131,7 +141,8 @@ def compress(
         resolve(model, revision)  # a missing model is said first, and creates nothing
         check_output_dir(output, overwrite, MANIFEST, inputs=[model])
     started = time.perf_counter()
-    loaded = load(model, revision=revision, trust_remote_code=trust_remote_code)
+    loaded = load(model, revision=revision, trust_remote_code=trust_remote_code,
+                  dtype=SOURCE_DTYPE if write else torch.float32)
     load_s = time.perf_counter() - started
     check_compatible(loaded, recipe)
     method = get_method(recipe.method).cls(recipe)
@@ -142,7 +153,11 @@ def compress(
                                      data=data_dir, text_field=text_field)
         calib, calib_identity = calib_set.tokens, calib_set.identity
     torch.manual_seed(recipe.seed)
-    result = compress_model(loaded.model, loaded.arch, recipe, calib, dev, progress)
+    # The dtypes untouched tensors are written in: the source files', else the model's as loaded.
+    dtypes = source_dtypes(loaded.hf_dir) or {k: v.dtype for k, v in loaded.model.state_dict().items()}
+    compact = CompactWeights(dtypes) if write else None
+    result = compress_model(loaded.model, loaded.arch, recipe, calib, dev, progress,
+                            sink=compact.add if compact is not None else None)
     result.timings["load_s"] = load_s
     summary = summarize(loaded.model, result, recipe)
     manifest = {
@@ -156,6 +171,9 @@ def compress(
     }
     artifact = None
     if write:
+        # The artifact's weights, rebuilt, are fp32 whatever the source's dtype (as version 1's were).
+        loaded.model.config.dtype = torch.float32
         artifact = write_artifact(output, loaded.model, loaded.tokenizer, result.layers, result.extras, manifest, overwrite,
-                                  source_dir=loaded.hf_dir)
+                                  source_dir=loaded.hf_dir, compact=compact)
+        loaded.model = None  # its blocks were freed as they were written
     return CompressOutcome(artifact, loaded, result, summary, manifest)

@@ -41,7 +41,7 @@ from .quant import QuantSpec, codes_per_byte, pack_codes, pack_mask, unpack_code
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "QUANT_FILE", "WEIGHTS_FILE", "Artifact", "is_artifact", "library_versions",
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "QUANT_FILE", "WEIGHTS_FILE", "Artifact", "CompactWeights", "is_artifact", "library_versions",
            "manifest_path", "open_manifest", "quant_tensors", "read_manifest", "verify_files", "write_artifact"]
 
 
@@ -109,7 +109,13 @@ def _narrowest(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is None or dtype == t.dtype or t.dtype != torch.float32 or dtype not in _FLOATS:
         return t
     narrow = t.to(dtype)
-    return narrow if _same_bits(narrow.float(), t) else t
+    # Compared a slice at a time: a whole fp32 copy of an embedding would cost what the model does.
+    flat_t, flat_n = t.reshape(-1), narrow.reshape(-1)
+    step = 1 << 22
+    for i in range(0, flat_t.numel(), step):
+        if not _same_bits(flat_n[i:i + step].float(), flat_t[i:i + step]):
+            return t
+    return narrow
 
 
 class _Tensors:
@@ -122,21 +128,24 @@ class _Tensors:
         return self.tensors[name]
 
 
-def compact_tensors(model, layers: dict[str, LinearResult], quant: dict, meta: dict,
+def compact_tensors(state: dict, layers: dict[str, LinearResult], quant: dict, meta: dict,
                     dtypes: dict[str, torch.dtype]) -> tuple[dict, dict]:
-    """The tensors and metadata of a version-2 ``weights.safetensors``.
+    """The tensors of a version-2 ``weights.safetensors`` for ``state`` (the whole state dict, or one
+    part of it: a block, or what is outside the blocks), and which of them are rebuilt.
 
-    Every tensor a version-1 ``model.safetensors`` would hold (the state dict, tied duplicates
-    once), in its order. A compressed linear's weight is rebuilt from ``quant`` (codes, masks) and
-    the kept values, and compared bit for bit with the model's: only when equal is it left out
-    (listed in ``rebuilt``); otherwise the fp32 tensor itself is stored. Kept values and untouched
-    tensors are stored in the source dtype when it holds them exactly, else fp32 (lossless).
+    Every tensor a version-1 ``model.safetensors`` would hold (tied duplicates once: ties are found
+    within ``state``, by storage; a part's storage may be reused once it is freed, so addresses are
+    never compared across parts). A compressed linear's weight is rebuilt from
+    ``quant`` (codes, masks) and the kept values, and compared bit for bit with the model's: only
+    when equal is it left out (listed in ``rebuilt``); otherwise the fp32 tensor itself is stored.
+    Kept values and untouched tensors are stored in the source dtype when it holds them exactly,
+    else fp32 (lossless).
     """
-    state = model.state_dict()
+    seen: set = set()
     # Tied tensors share storage: the embedding of a model whose compressed lm_head is tied to it is
     # that linear's weight.
     ptr_of = {state[f"{name}.weight"].data_ptr(): name for name in layers if f"{name}.weight" in state}
-    names, seen = [], set()
+    names = []
     for key, t in state.items():
         ptr = (t.data_ptr(), tuple(t.shape))
         if ptr in seen:  # a tied duplicate (lm_head of tied embeddings): save_pretrained drops it too
@@ -161,31 +170,66 @@ def compact_tensors(model, layers: dict[str, LinearResult], quant: dict, meta: d
                 rebuilt[key] = layer
                 continue
         tensors[key] = _narrowest(t.contiguous(), dtypes.get(key))
-    info = {"format": "slmedge-weights", "version": 2, "rebuilt": rebuilt}
-    return tensors, info
+    return tensors, rebuilt
+
+
+class CompactWeights:
+    """A version-2 artifact's tensors, gathered part by part as the engine finishes each block
+    (``add`` is a ``compress.engine.Sink``): only the codes, the kept values and the untouched
+    tensors in their narrowest exact dtype are held, never a dense weight. ``write_artifact``
+    writes them."""
+
+    def __init__(self, dtypes: dict[str, torch.dtype]):
+        self.dtypes = dtypes
+        self.weights: dict[str, torch.Tensor] = {}
+        self.rebuilt: dict[str, str] = {}
+        self.quant: dict[str, torch.Tensor] = {}
+        self.meta: dict[str, dict] = {}
+
+    def add(self, state: dict, layers: dict[str, LinearResult], extras: dict) -> None:
+        quant, meta = quant_tensors(layers, extras)
+        weights, rebuilt = compact_tensors(state, layers, quant, meta, self.dtypes)
+        self.quant.update(quant)
+        self.meta.update(meta)
+        self.weights.update(weights)
+        self.rebuilt.update(rebuilt)
+
+    @classmethod
+    def of_model(cls, model, layers: dict[str, LinearResult], extras: dict, dtypes: dict) -> "CompactWeights":
+        """The same, for a model compressed whole in memory."""
+        out = cls(dtypes)
+        out.add(model.state_dict(), layers, extras)
+        return out
 
 
 def write_artifact(dest, model, tokenizer, layers, extras, manifest: dict, overwrite: bool = False, *,
-                   source_dir=None, version: int = FORMAT_VERSION) -> Path:
+                   source_dir=None, version: int = FORMAT_VERSION, compact: CompactWeights | None = None) -> Path:
     """Write the whole directory under a temporary name, manifest last, then rename it into place.
 
-    ``source_dir``: the source model's folder, whose safetensors dtypes the untouched tensors keep
-    (fp32 without one). ``version=1`` writes the previous layout (dense fp32 ``model.safetensors``).
+    ``compact``: the tensors, gathered block by block while compressing (``CompactWeights``); the
+    model then only gives its config (its blocks may be gone), and ``layers``/``extras`` are not read.
+    Without it they come from the whole ``model`` and ``layers``. ``source_dir``: the source model's
+    folder, whose safetensors dtypes the untouched tensors keep (fp32 without one). ``version=1``
+    writes the previous layout (dense fp32 ``model.safetensors``; a whole model needed).
     """
     started = time.perf_counter()
     if version not in (1, 2):
         raise ValueError(f"artifact format version {version} cannot be written")
+    if version == 1 and compact is not None:
+        raise ValueError("a version-1 artifact is written from the whole model, not from compact tensors")
     with atomic_directory(dest, overwrite=overwrite, manifest=MANIFEST) as tmp:
-        tensors, meta = quant_tensors(layers, extras)
         if version == 1:
+            tensors, meta = quant_tensors(layers, extras)
             model.save_pretrained(tmp, safe_serialization=True)
         else:
+            if compact is None:
+                compact = CompactWeights.of_model(model, layers, extras, source_dtypes(source_dir))
+            tensors, meta = compact.quant, compact.meta
             model.config.save_pretrained(tmp)
             if getattr(model, "generation_config", None) is not None and model.can_generate():
                 model.generation_config.save_pretrained(tmp)
-            weights, winfo = compact_tensors(model, layers, tensors, meta, source_dtypes(source_dir))
-            save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"slmedge": json.dumps(winfo, sort_keys=True)})
-            del weights
+            winfo = {"format": "slmedge-weights", "version": 2, "rebuilt": compact.rebuilt}
+            save_file(compact.weights, str(tmp / WEIGHTS_FILE), metadata={"slmedge": json.dumps(winfo, sort_keys=True)})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         # One metadata key: safetensors writes several in no fixed order, which would make

@@ -24,8 +24,8 @@ from .methods import get_method
 from .methods.base import LinearResult
 from .recipe import Recipe
 
-__all__ = ["BlockInputs", "CompressionResult", "block_linears", "capture_inputs", "collect_stats", "compress_model",
-           "is_skipped", "resolve_device", "run_block"]
+__all__ = ["BlockInputs", "CompressionResult", "Sink", "block_linears", "capture_inputs", "collect_stats",
+           "compress_model", "is_skipped", "resolve_device", "run_block"]
 
 Progress = Callable[[str, int, int], None]
 
@@ -36,6 +36,29 @@ class CompressionResult:
     # Plain data from searches (AWQ scales per mapping), saved with the artifact.
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    # Per compressed linear: parameters, kept / masked weights and the bits of its codes (``layer_counts``),
+    # what the artifact's summary reports; kept when a sink took the tensors themselves.
+    counts: dict[str, dict] = field(default_factory=dict)
+
+
+def layer_counts(res: LinearResult) -> dict:
+    """What one compressed linear adds to the summary: its parameters, kept and masked weights, and
+    the bits of its codes (each code's bits plus, per group, an fp16 scale and a zero point)."""
+    out = {"parameters": res.weight.numel(), "kept": 0, "masked": 0, "quantized": 0, "code_bits": 0}
+    if res.mask is not None:
+        out["kept"], out["masked"] = int(res.mask.sum()), res.mask.numel()
+    if res.codes is not None:
+        rows = res.codes.shape[0]
+        groups = res.scales.shape[1]
+        zero_bits = 0 if res.spec.symmetric else res.spec.bits
+        out["quantized"] = res.codes.numel()
+        out["code_bits"] = res.codes.numel() * res.spec.bits + rows * groups * (16 + zero_bits)
+    return out
+
+
+def _slim(res: LinearResult) -> LinearResult:
+    """A result without its tensors (a sink has them): only its quantization spec."""
+    return LinearResult(weight=None, spec=res.spec)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -65,49 +88,66 @@ def block_linears(layer: torch.nn.Module, arch: Architecture, prefix: str, skip)
     return out
 
 
-def _move_outside_layers(model: torch.nn.Module, layers_path: str, device: torch.device) -> None:
+def _move_outside_layers(model: torch.nn.Module, layers_path: str, device: torch.device,
+                         dtype: torch.dtype | None = None) -> None:
+    """Move (and, with ``dtype``, cast the floating point tensors of) everything outside the decoder
+    blocks: embeddings, final norm, lm_head, rotary buffers. Tied tensors are one parameter."""
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if not name.startswith(layers_path + "."):
-            tensor.data = tensor.data.to(device)
+            cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            tensor.data = tensor.data.to(device, cast)
 
 
 @torch.no_grad()
 def capture_inputs(model, arch: Architecture, batches: list[torch.Tensor], device: torch.device) -> BlockInputs:
+    """The hidden states entering the first block (per batch) and every block's call kwargs.
+
+    No block computes anything here: each is replaced, for the capture pass only, by a
+    pass-through that records what the model's own forward hands it (rotary embeddings, masks:
+    Gemma's sliding-window layers get their own) and stops the pass after the last block (after
+    the first, once a batch size was seen). The blocks' weights are not touched, so they may still
+    be in the source's dtype or on the CPU.
+    """
     layers = model.get_submodule(arch.layers)
     _move_outside_layers(model, arch.layers, device)
     hidden: list[torch.Tensor] = []
     kwargs: dict[tuple[int, int], dict] = {}
     seen_sizes: set[int] = set()
 
-    def first(_name, args, kw):
-        hidden.append((args[0] if args else kw["hidden_states"]).detach())
-        if not full_pass:
-            raise StopForward
+    def pass_through(idx):
+        def forward(*args, **kw):
+            h = args[0] if args else kw["hidden_states"]
+            if idx == 0:
+                hidden.append(h.detach())
+            if full_pass:
+                kwargs[(idx, batch_size)] = {k: v for k, v in kw.items() if k != "hidden_states"}
+            if not full_pass or idx == len(layers) - 1:
+                raise StopForward  # everything after (final norm, lm_head) is not needed
+            return h
+        return forward
 
-    def every(name, args, kw):
-        idx = int(name)
-        kwargs[(idx, batch_size)] = {k: v for k, v in kw.items() if k != "hidden_states"}
-        if idx == len(layers) - 1:
-            raise StopForward  # everything after (final norm, lm_head) is not needed
-        layers[idx + 1].to(device)
-        if idx > 0:
-            layers[idx - 1].to("cpu")
-
-    for batch in batches:
-        batch_size = batch.shape[0]
-        full_pass = batch_size not in seen_sizes
-        seen_sizes.add(batch_size)
-        hooks = {str(i): layer for i, layer in enumerate(layers)} if full_pass else {}
-        layers[0].to(device)
-        try:
-            with module_calls({"first": layers[0]}, first), module_calls(hooks, every):
+    for idx, layer in enumerate(layers):
+        layer.forward = pass_through(idx)  # an instance attribute: nn.Module.__call__ finds it first
+    try:
+        for batch in batches:
+            batch_size = batch.shape[0]
+            full_pass = batch_size not in seen_sizes
+            seen_sizes.add(batch_size)
+            try:
                 model(input_ids=batch.to(device), use_cache=False)
-        except StopForward:
-            pass
-        finally:
-            if device.type != "cpu":
-                layers.to("cpu")
+            except StopForward:
+                pass
+    finally:
+        for layer in layers:
+            del layer.forward
     return BlockInputs(hidden, kwargs)
+
+
+# What the engine hands a sink after each block (and once more for everything outside the blocks):
+# that part's tensors by full name (compressed linears hold their fp32 dequantized weights), the
+# results of its linears and the searches' extras. The sink keeps what it needs; the block is
+# freed after it returns.
+Sink = Callable[[dict[str, torch.Tensor], dict[str, LinearResult], dict[str, torch.Tensor]], None]
 
 
 @torch.no_grad()
@@ -118,10 +158,19 @@ def compress_model(
     calibration: torch.Tensor | None,
     device: str | torch.device | None = "cpu",
     progress: Progress | None = None,
+    sink: Sink | None = None,
 ) -> CompressionResult:
     """Compress ``model`` in place and return what was done to each linear.
 
-    ``calibration`` is (nsamples, seqlen) token ids, or None for data-free methods.
+    ``calibration`` is (nsamples, seqlen) token ids, or None for data-free methods. The model may
+    be in any floating dtype (its source's): everything is computed in fp32, one block at a time
+    (a block is cast to fp32 when its turn comes; the tensors outside the blocks are cast at the
+    start, exactly, as fp32 holds every bf16/fp16 value).
+
+    With a ``sink`` the model is consumed as it goes: each finished block is handed to it and then
+    freed (its tensors moved to the meta device), and its results keep only their spec (``_slim``;
+    ``CompressionResult.counts`` has what the summary needs), so that no more than one block is ever in fp32. Without
+    one the model stays whole, compressed in memory, and the results keep their tensors.
     """
     device = resolve_device(device) if not isinstance(device, torch.device) else device
     info = get_method(recipe.method)
@@ -130,6 +179,9 @@ def compress_model(
     layers = model.get_submodule(arch.layers)
     result = CompressionResult()
     started = time.perf_counter()
+    if sink is not None:
+        _bound_heap()
+    _move_outside_layers(model, arch.layers, device, torch.float32)
 
     head_needs_data = method.stats_class is not None and not is_skipped(arch.lm_head, recipe.skip)
     inputs = None
@@ -142,15 +194,15 @@ def compress_model(
 
     for idx, layer in enumerate(layers):
         prefix = f"{arch.layers}.{idx}"
-        layer.to(device)
+        layer.to(device, torch.float32)
         linears = block_linears(layer, arch, prefix, recipe.skip)
+        found: dict[str, LinearResult] = {}
+        extras: dict[str, torch.Tensor] = {}
         if method.block_level:
             found, extras = method.compress_block(layer, prefix, linears, inputs, idx, arch)
-            result.layers.update(found)
-            result.extras.update(extras)
         elif method.stats_class is None:  # data-free: nothing to collect
             for name, linear in linears.items():
-                result.layers[name] = _apply(linear, method.compress(name, linear.weight.data.float(), None))
+                found[name] = _apply(linear, method.compress(name, linear.weight.data.float(), None))
         else:
             sequential = method.true_sequential if recipe.true_sequential is None else recipe.true_sequential
             groups = arch.sequential if sequential else (arch.linear_names,)
@@ -160,21 +212,37 @@ def compress_model(
                     continue
                 stats = collect_stats(layer, idx, todo, inputs, method.stats_class, device)
                 for name, linear in todo.items():
-                    result.layers[name] = _apply(linear, method.compress(name, linear.weight.data.float(), stats[name]))
+                    found[name] = _apply(linear, method.compress(name, linear.weight.data.float(), stats[name]))
                     del stats[name]
-        # The next block (or lm_head's statistics) sees this block's compressed outputs.
+        # The next block (or lm_head's statistics) sees this block's compressed outputs; each
+        # batch's new hidden states replace the old ones at once (one copy of them at a time).
         if inputs is not None and (idx < len(layers) - 1 or head_needs_data):
-            inputs.hidden = [run_block(layer, h, inputs.kwargs(idx, h)) for h in inputs.hidden]
-        if device.type != "cpu":
+            for i, h in enumerate(inputs.hidden):
+                inputs.hidden[i] = run_block(layer, h, inputs.kwargs(idx, h))
+        result.counts.update({name: layer_counts(res) for name, res in found.items()})
+        if sink is not None:
+            sink({k: v.detach().cpu() for k, v in layer.state_dict(prefix=prefix + ".").items()}, found, extras)
+            layer.to("meta")
+            found = {name: _slim(res) for name, res in found.items()}
+            _return_freed_memory()
+        elif device.type != "cpu":
             layer.to("cpu")
+        result.layers.update(found)
+        result.extras.update(extras)
         if progress:
             progress("block", idx + 1, len(layers))
 
     head_name = arch.lm_head
+    outside: dict[str, LinearResult] = {}
     if not is_skipped(head_name, recipe.skip):
-        result.layers[head_name] = _compress_head(model, arch, method, inputs, device)
-    if device.type != "cpu":
-        model.to("cpu")
+        outside[head_name] = _compress_head(model, arch, method, inputs, device)
+    _move_outside_layers(model, arch.layers, torch.device("cpu"))
+    result.counts.update({name: layer_counts(res) for name, res in outside.items()})
+    if sink is not None:
+        rest = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith(arch.layers + ".")}
+        sink(rest, outside, {})
+        outside = {name: _slim(res) for name, res in outside.items()}
+    result.layers.update(outside)
     result.timings["compress_s"] = time.perf_counter() - started
     return result
 
@@ -229,9 +297,55 @@ def _compress_head(model, arch, method, inputs, device) -> LinearResult:
 
 def _apply(linear: torch.nn.Linear, res: LinearResult) -> LinearResult:
     linear.weight.data.copy_(res.weight.to(linear.weight.dtype))
-    # Keep results on the CPU: the artifact writer reads them there.
+    # Keep results on the CPU: the artifact writer reads them there. On the CPU the result's weight
+    # is the linear's own (the same values): one copy of each dense weight, not two.
+    if linear.weight.device.type == "cpu" and linear.weight.dtype == res.weight.dtype:
+        res.weight = linear.weight.data
     for attr in ("weight", "codes", "scales", "zeros", "perm", "mask"):
         value = getattr(res, attr)
         if value is not None:
             setattr(res, attr, value.cpu())
     return res
+
+
+# glibc's mallopt parameter: allocations from this size up get their own mapping, handed back to
+# the system when freed (its default adapts upward, to 32 MB, after each such free).
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_BYTES = 4 << 20
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim, _LIBC.mallopt  # noqa: B018 - glibc only
+        except (OSError, AttributeError):
+            _LIBC = False
+    return _LIBC
+
+
+def _bound_heap() -> None:
+    """Make freed tensors leave the process (glibc; elsewhere nothing), for the block-by-block path.
+
+    A block's fp32 weights and the methods' temporaries are freed when the block is done, but
+    glibc keeps allocations under its adaptive mmap threshold (it rises to 32 MB after the first
+    such free) in its heap, where freed pages stay resident: the resident size then grows by about
+    a block per block although nothing is alive. A fixed 4 MiB threshold gives each larger tensor
+    its own mapping (returned on free); ``_return_freed_memory`` trims the heap after each block.
+    """
+    libc = _libc()
+    if libc:
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; a few milliseconds)."""
+    libc = _libc()
+    if libc:
+        libc.malloc_trim(0)
+
+
+_LIBC = None

@@ -28,7 +28,8 @@ from ..errors import ModelLoadError, ModelNotFoundError, RuntimeNotInstalledErro
 from ..fsutil import atomic_directory, sha256_file, write_json_atomic
 from ..paths import cache_dir
 from .architectures import Architecture, architecture_for
-from .artifact_format import QUANT_FILE, V1_WEIGHTS_FILE, WEIGHTS_FILE, format_version, is_artifact, open_manifest
+from .artifact_format import (QUANT_FILE, V1_WEIGHTS_FILE, WEIGHTS_FILE, format_version, is_artifact, open_manifest,
+                              safetensors_header)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -203,15 +204,41 @@ def _hub_source(spec: str, revision: str | None) -> ModelSource:
         "or set HF_HUB_OFFLINE=1 and use a cached model")
 
 
+# load(dtype=SOURCE_DTYPE): the floating dtype the weights are stored in (``stored_dtype``).
+SOURCE_DTYPE = "source"
+_SAFETENSORS_FLOATS = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+
+def stored_dtype(hf_dir: Path | None, config=None) -> torch.dtype:
+    """The one floating dtype of a folder's safetensors weights (read from their headers), so that
+    loading in it changes no value: fp32 when they mix dtypes or are not plain 16/32-bit floats;
+    without readable files, the config's ``dtype`` when it is one of those, else fp32."""
+    found: set = set()
+    files = sorted(Path(hf_dir).glob("*.safetensors")) if hf_dir is not None and Path(hf_dir).is_dir() else []
+    for f in files:
+        if f.name == QUANT_FILE:
+            continue
+        for name, info in (safetensors_header(f) or {}).items():
+            if name != "__metadata__" and isinstance(info, dict) and info.get("dtype") not in ("I64", "I32", "U8", "BOOL"):
+                found.add(_SAFETENSORS_FLOATS.get(info.get("dtype"), torch.float32))
+    if found:
+        return found.pop() if len(found) == 1 else torch.float32
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    return declared if declared in _SAFETENSORS_FLOATS.values() else torch.float32
+
+
 def load(
     spec: str | ModelSource | None = None,
     *,
     revision: str | None = None,
     trust_remote_code: bool = False,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     verify_gguf: bool = True,
 ) -> LoadedModel:
-    """Load a model source as (model, tokenizer) on the CPU in ``dtype``."""
+    """Load a model source as (model, tokenizer) on the CPU in ``dtype`` (``SOURCE_DTYPE``: the
+    dtype its weights are stored in; a compact artifact's rebuilt weights are fp32)."""
     source = spec if isinstance(spec, ModelSource) else resolve(spec, revision)
     if source.kind == "embedded":
         gguf_path = embedded_gguf_path(source.spec)
@@ -234,7 +261,10 @@ def load(
     target = str(hf_dir) if hf_dir is not None else source.spec
     config = _load_config(target, source, revision, trust_remote_code)
     arch = architecture_for(config)
-    if source.kind == "artifact" and format_version(manifest) >= 2:
+    compact = source.kind == "artifact" and format_version(manifest) >= 2
+    if dtype == SOURCE_DTYPE:
+        dtype = torch.float32 if compact else stored_dtype(hf_dir, config)
+    if compact:
         model = _load_compact(hf_dir, dtype)
     else:
         model = _load_weights(target, source, revision, trust_remote_code, dtype)
