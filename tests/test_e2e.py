@@ -80,7 +80,7 @@ def test_awq_and_gptq_on_smollm2_keep_perplexity_close(default_model, tmp_path):
     assert 15 < base.perplexity < 60
     # The calibrated methods must beat plain rounding on the same grid, not only stay near the base.
     rtn = compress(None, Recipe(method="rtn", bits=4, group_size=128), tmp_path / "rtn", device="cpu")
-    rtn_ppl = perplexity(rtn.loaded.model, rtn.loaded.tokenizer, text, seqlen=512, max_windows=2).perplexity
+    rtn_ppl = perplexity(rtn.model(), rtn.loaded.tokenizer, text, seqlen=512, max_windows=2).perplexity
     for method in ("awq", "gptq"):
         recipe = Recipe(method=method, bits=4, group_size=128, nsamples=16, seqlen=512, awq_grid=10)
         outcome = compress(None, recipe, tmp_path / method, device="cpu")
@@ -88,7 +88,7 @@ def test_awq_and_gptq_on_smollm2_keep_perplexity_close(default_model, tmp_path):
         assert art.manifest["summary"]["compressed_linears"] == 30 * 7
         # group 128 on 576 columns: a ragged last group of 64, handled, not refused
         assert art.manifest["layers"]["model.layers.0.self_attn.q_proj"]["group_size"] == 128
-        ppl = perplexity(outcome.loaded.model, outcome.loaded.tokenizer, text, seqlen=512, max_windows=2)
+        ppl = perplexity(outcome.model(), outcome.loaded.tokenizer, text, seqlen=512, max_windows=2)
         assert math.isfinite(ppl.perplexity) and ppl.perplexity < base.perplexity * 1.5, (method, ppl, base)
         assert ppl.perplexity < rtn_ppl, (method, ppl.perplexity, "RTN", rtn_ppl)
 
