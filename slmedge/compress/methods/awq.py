@@ -16,7 +16,7 @@ import torch
 from ..blocks import run_block
 from ..hooks import linear_inputs, module_calls
 from ..quant import QuantSpec, fake_quantize, quantize_groups
-from .base import LinearResult, Method, register_method, rtn_result
+from .base import LinearResult, Method, register_method, rtn_result, single_thread
 
 
 def awq_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -148,7 +148,8 @@ class AWQ(Method):
             mods = [layer.get_submodule(n) for n in m.linears]
             prev = layer.get_submodule(m.prev)
             x_mean = x_sum[m.linears[0]] / x_count[m.linears[0]]
-            s = self._search(inspect_mods[m.inspect], calls[m.inspect], mods, x_mean, spec, r.awq_grid)
+            with single_thread():  # 20 small forwards and roundings per mapping: see single_thread
+                s = self._search(inspect_mods[m.inspect], calls[m.inspect], mods, x_mean, spec, r.awq_grid)
             fold_scales(prev, mods, s, arch.norm_offset)
             extras[f"{prefix}.{m.prev}.awq_scales"] = s.cpu().float()
             # The captured inputs of the scaled linears shrink by s too.
@@ -163,7 +164,8 @@ class AWQ(Method):
             clip = None
             if r.awq_clip and rel not in arch.awq_skip_clip and clip_x[name]:
                 x = torch.cat(clip_x[name])[:4096]
-                clip = clip_search(w, x, spec)
+                with single_thread():
+                    clip = clip_search(w, x, spec)
             res = rtn_result(w, spec, clip=clip)
             lin.weight.data.copy_(res.weight.to(lin.weight.dtype))
             results[name] = LinearResult(res.weight.cpu(), spec, res.codes.cpu(), res.scales.cpu(), res.zeros.cpu())
