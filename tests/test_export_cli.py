@@ -74,7 +74,7 @@ def test_full_disk_while_writing_gguf_leaves_nothing(gptq_artifact, tmp_path, mo
     def full(self, *a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full)
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", full)
     r = runner.invoke(app, ["export", str(gptq_artifact), "--type", "q4_0", "-o", str(tmp_path / "m.gguf")])
     one_line_error(r, "no space left on the device")
     assert not list(tmp_path.iterdir())

@@ -52,6 +52,22 @@ def read(path):
 # --- f32: the layout, metadata and tokenizer are right ------------------------------------------
 
 
+def test_a_byte_level_bpe_marked_byte_fallback_is_written_as_gpt2(tiny_models, tmp_path):
+    """transformers' conversion of a GGUF "gpt2" vocabulary (e.g. the embedded SmolLM2's HF folder,
+    which scripts/make_random_model.py copies) writes BPE with byte_fallback *and* a ByteLevel
+    pre-tokenizer: every byte already has its token, so it is GPT-2 style, not SentencePiece
+    (written as SentencePiece, llama.cpp aborted in byte_to_token)."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_models("llama"), src)
+    tj = json.loads((src / "tokenizer.json").read_text())
+    tj["model"]["byte_fallback"] = True
+    (src / "tokenizer.json").write_text(json.dumps(tj))
+    report = export_gguf(src, tmp_path / "m.gguf", qtype="f32")
+    assert report["verification"]["tokenizer_agrees"]
+    _, fields, _ = read(tmp_path / "m.gguf")
+    assert fields["tokenizer.ggml.model"] == "gpt2"
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_f32_gguf_gives_torch_logits_in_llamacpp(model_type, tiny_models, tmp_path):
     out = tmp_path / "m.gguf"

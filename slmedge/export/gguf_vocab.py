@@ -137,7 +137,10 @@ def add_tokenizer(writer, src: ExportSource) -> dict:
         raise GGUFExportError(f"{src.path} has no tokenizer.json or tokenizer.model to write the vocabulary from")
     tj = json.loads(tj_path.read_text(encoding="utf-8"))
     model = tj.get("model", {})
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
+    # byte_fallback matters only without a ByteLevel pre-tokenizer: with one every byte already has its
+    # token (GPT-2 style; transformers' conversion of a GGUF "gpt2" vocabulary sets both).
+    byte_level = any(part[0].startswith("ByteLevel") for part in _pre_parts(tj.get("pre_tokenizer")))
+    if model.get("type") != "BPE" or (model.get("byte_fallback") and not byte_level):
         return _add_sentencepiece(writer, src, vocab_size)
     tok = AutoTokenizer.from_pretrained(str(src.path), **tokenizer_kwargs(src.path))
     pre, recognised = pre_tokenizer_name(tj)
