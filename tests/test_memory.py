@@ -9,13 +9,14 @@ warm-up run on a tiny model, so that imports and lazily loaded modules are in th
     + the calibration activations x 3 (the inputs, a block's outputs, statistics' temporaries)
     + ALLOWANCE
 
-ALLOWANCE (128 MiB) is the fixed part: the artifact's compact tensors, held until they are written
+ALLOWANCE (192 MiB) is the fixed part: the artifact's compact tensors, held until they are written
 (4-bit codes and scales: ~55 MB here), the method's working set on one linear (GPTQ's Hessian, its
-Cholesky factor and inverse: 8 MB each at 1408 columns), allocator slack. Measured on this machine:
-RTN 278 MiB and GPTQ 318 MiB over the baseline against a budget of 342 MiB. The model in fp32 is
-2 bytes per parameter more than in bf16 (196 MiB here): a version that casts the whole model, or
-keeps each layer's dense fp32 result, exceeds the budget, as the control (``write=False``, which
-keeps the compressed model whole in fp32 on purpose: 707 MiB) shows.
+Cholesky factor and inverse, the factor cached for the linears sharing a Hessian, the column loop's
+rows: 8 MB each at 1408 columns), allocator slack. Measured on this machine (quiet, at the commit
+that set 192 MiB): RTN 313 MiB and GPTQ 359 MiB over the baseline against a budget of 406 MiB. The
+model in fp32 is 2 bytes per parameter more than in bf16 (196 MiB here): a version that casts the
+whole model, or keeps each layer's dense fp32 result, exceeds the budget, as the control
+(``write=False``, which keeps the compressed model whole in fp32 on purpose: 591 MiB) shows.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import calib_text, save_tiny, tiny_tokenizer  # noqa: E402
 
-ALLOWANCE = 128 * 2**20
+ALLOWANCE = 192 * 2**20
 HIDDEN, INTERMEDIATE, LAYERS = 512, 1408, 32
 NSAMPLES, SEQLEN = 4, 128
 
@@ -110,6 +111,7 @@ def test_compress_peak_is_the_bf16_model_plus_one_block_in_fp32(method, model_10
     used = got["peak"] - got["base"]
     budget = _budget(model_100m)
     mib = 2**20
+    print(f"{method}: {used / mib:.0f} MiB over the baseline, budget {budget / mib:.0f} MiB")
     assert used <= budget, (f"{method}: peak {used / mib:.0f} MiB over the baseline, budget {budget / mib:.0f} MiB "
                             f"(bf16 model {2 * model_100m['params'] / mib:.0f} MiB, fp32 block "
                             f"{4 * model_100m['block'] / mib:.0f} MiB)")
@@ -124,4 +126,5 @@ def test_the_budget_catches_a_model_whole_in_fp32(model_100m, tmp_path):
     """The control: ``write=False`` keeps the compressed model whole in fp32 (and every layer's
     dense result), what the writing path must never do; it must exceed the same budget."""
     got = _peak(model_100m, tmp_path, "rtn", write=False)
+    print(f"whole in fp32: {(got['peak'] - got['base']) / 2**20:.0f} MiB over the baseline")
     assert got["peak"] - got["base"] > _budget(model_100m)
