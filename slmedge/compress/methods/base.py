@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -102,17 +103,30 @@ class InputNormStats:
             self.scaler_row += x.pow(2).sum(dim=0) / self.nsamples
 
 
+def cores_shared() -> bool:
+    """Whether other work competes for the CPU: the 1-minute load average above the core count
+    (this process's own threads count once each, so it alone stays at or below it)."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1) + 0.5
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """Run torch's CPU ops on one thread inside the block (restored after).
+def single_thread(always: bool = False) -> Iterator[None]:
+    """Run torch's CPU ops on one thread inside the block (restored after), when the cores are shared.
 
     For loops of many small operations (GPTQ's and SparseGPT's columns, a few thousand floats
     each): torch splits anything above ~32k elements across its OpenMP threads, and each split
-    ends at a barrier; with one core busy elsewhere the barrier waits a scheduler slice. Alone
-    on the machine one thread is as fast for these sizes, and it is never much slower.
+    ends at a barrier; with another process on the cores the barrier waits a scheduler slice, and
+    one thread is several times faster. Alone on the machine, though, the threads pay: measured on
+    these 2 cores, quiet, the first 4 AWQ blocks of SmolLM2 took 44.8 s on one thread and 36.4 s on
+    two, 3 GPTQ blocks 38.2 s and 31.2 s. So one thread only while ``cores_shared()``; ``always``
+    for what must not depend on the thread count (LAPACK's Cholesky inverse gives other low bits on
+    two threads). Elsewhere the results are the same bits on any thread count.
     """
     before = torch.get_num_threads()
-    if before == 1:
+    if before == 1 or not (always or cores_shared()):
         yield
         return
     torch.set_num_threads(1)

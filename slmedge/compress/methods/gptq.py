@@ -63,7 +63,7 @@ def hessian_plan(H: torch.Tensor, percdamp: float, actorder: bool, stats=None):
     if actorder:
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
         H = H[perm][:, perm]
-    with single_thread():
+    with single_thread(always=True):
         # One thread: LAPACK's Cholesky inverse gives other low bits on two threads than on one
         # (so results depended on the machine's core count), and on two shared cores it took
         # 0.3-5 s per call against 0.01-0.1 s on one.
