@@ -88,7 +88,7 @@ def test_a_format_registered_in_a_test_is_reachable_from_the_command_line(fake_f
     one_line_error(runner.invoke(app, ["export", str(src), "--format", "fake", "--type", "huge", "-o", str(out)]),
                    "unknown FAKE type 'huge'; choose auto, tiny, small")
     one_line_error(runner.invoke(app, ["export", str(src), "--format", "nope"]),
-                   "unknown format 'nope'; choose gguf or onnx or fake")
+                   f"unknown format 'nope'; choose {' or '.join(FORMATS)}", "gguf or onnx", "or fake")
     # inspect finds it by its suffix; a study knows when such an export is complete.
     r = runner.invoke(app, ["inspect", str(out)])
     assert r.exit_code == 0, r.output

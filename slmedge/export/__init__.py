@@ -5,6 +5,7 @@ importing this package registers the built-in ones: GGUF (llama.cpp) and ONNX (o
 """
 
 from . import gguf, onnx  # noqa: F401  (registration)
+from . import compressed_tensors  # noqa: F401  (registration)
 from .errors import (ExportError, ExportVerificationError, GGUFExportError, GGUFVerificationError, ONNXExportError,
                      ONNXVerificationError)
 from .formats import FORMATS, ExportFormat, get_format, register_format, unregister_format

@@ -66,21 +66,31 @@ def read_gguf_manifest(path, metadata: dict | None = None) -> dict | None:
     return json.loads(metadata[MANIFEST_KEY]) if MANIFEST_KEY in metadata else None
 
 
-def read_onnx_manifest(path) -> dict | None:
-    """The manifest of an ONNX export (its folder, or the model file in it); None: it has none."""
+def read_export_manifest(path) -> dict | None:
+    """The manifest of a folder export (ONNX, compressed-tensors: its folder, or a model file in it);
+    None: it has none."""
     p = Path(path)
     folder = p if p.is_dir() else p.parent
     f = folder / EXPORT_MANIFEST
     return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
 
 
+read_onnx_manifest = read_export_manifest
+
+
 def verified_onnx_manifest(path) -> dict | None:
-    """The manifest of an ONNX export after checking it and every file it lists against their
-    sha256 (ArtifactError naming the first that changed); None: a folder slmedge did not write."""
+    """The manifest of an ONNX export, checked (``verified_export_manifest``)."""
+    return verified_export_manifest(path, "ONNX")
+
+
+def verified_export_manifest(path, label: str) -> dict | None:
+    """The manifest of a folder export (``label``: how messages name its format) after checking it and
+    every file it lists against their sha256 (ArtifactError naming the first that changed); None: a
+    folder slmedge did not write."""
     p = Path(path)
     folder = p if p.is_dir() else p.parent
     try:
-        manifest = read_onnx_manifest(folder)
+        manifest = read_export_manifest(folder)
     except ValueError as exc:
         raise ArtifactError(f"{folder / EXPORT_MANIFEST} is not valid JSON: the export is corrupt") from exc
     if manifest is None:
@@ -91,10 +101,24 @@ def verified_onnx_manifest(path) -> dict | None:
     for name, info in sorted(manifest["files"].items()):
         f = folder / name
         if not f.is_file():
-            raise ArtifactError(f"the ONNX export {folder} is missing {name}")
+            raise ArtifactError(f"the {label} export {folder} is missing {name}")
         if sha256_file(f) != (info or {}).get("sha256"):
             raise ArtifactError(f"checksum mismatch for {name} in {folder}: the file was modified or is corrupt since "
                                 "slmedge wrote it; export it again")
+    return manifest
+
+
+def write_export_manifest(folder: Path, body: dict, started: float) -> dict:
+    """Write a folder export's manifest, last: ``body`` with ``files`` (the sha256 and size of every
+    file in ``folder``) and ``seconds`` (since ``started``, a ``time.perf_counter()``), sealed. Returns it."""
+    import time
+
+    from ..fsutil import sealed, write_json_atomic
+
+    files = sorted(p for p in Path(folder).iterdir() if p.is_file() and p.name != EXPORT_MANIFEST)
+    manifest = sealed({**body, "files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
+                       "seconds": round(time.perf_counter() - started, 2)})
+    write_json_atomic(Path(folder) / EXPORT_MANIFEST, manifest)
     return manifest
 
 

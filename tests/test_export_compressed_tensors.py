@@ -1,0 +1,307 @@
+"""`slmedge export --format compressed-tensors`: tiny artifacts of every architecture and method,
+read back by transformers and by compressed-tensors' own unpacking, against the artifact."""
+
+import json
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import missing_prerequisite, one_line_error, require_import
+
+from slmedge.cli import app
+from slmedge.compress.artifact import Artifact
+from slmedge.models.architectures import ARCHITECTURES
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def compressed_tensors_installed():
+    """compressed-tensors of the release the exporter writes with (scripts/setup.sh installs it)."""
+    require_import("compressed_tensors")
+    from slmedge.errors import RuntimeNotInstalledError
+    from slmedge.export.compressed_tensors import require_compressed_tensors
+
+    try:
+        require_compressed_tensors()
+    except RuntimeNotInstalledError as exc:
+        missing_prerequisite(str(exc))
+
+
+def export(art, out, **kw):
+    from slmedge.export.compressed_tensors import export_compressed_tensors
+
+    return export_compressed_tensors(art, out, **kw)
+
+
+def transformers_model(path):
+    """The export as a transformers user loads it: decompressed on the CPU, fp32."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(run_compressed=False))
+    return model.eval()
+
+
+IDS = torch.tensor([[1, 5, 17, 99, 3, 250, 42, 8, 300, 7, 64, 11]])
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(IDS).logits.float()
+
+
+def file_tensors(out):
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "model.safetensors"))
+
+
+def check_codes(out, art):
+    """compressed-tensors' own unpacking of the file gives the artifact's codes, zero points and scales."""
+    from compressed_tensors.compressors.quantized_compressors.pack_quantized import unpack_from_int32
+
+    tensors = file_tensors(out)
+    layers = Artifact.open(art).layers()
+    coded = {n: r for n, r in layers.items() if r.codes is not None}
+    assert coded
+    for name, res in coded.items():
+        bits, offset = res.spec.bits, 1 << (res.spec.bits - 1)
+        shape = tuple(int(x) for x in tensors[f"{name}.weight_shape"])
+        assert shape == tuple(res.codes.shape)
+        codes = unpack_from_int32(tensors[f"{name}.weight_packed"], bits, shape).to(torch.int16) + offset
+        assert torch.equal(codes, res.codes.to(torch.int16)), name
+        assert torch.equal(tensors[f"{name}.weight_scale"].float(), res.scales.float()), name
+        if res.spec.symmetric:
+            assert f"{name}.weight_zero_point" not in tensors
+        else:
+            zp = unpack_from_int32(tensors[f"{name}.weight_zero_point"], bits, tuple(res.zeros.shape), packed_dim=0)
+            assert torch.equal(zp.to(torch.int16) + offset, res.zeros.to(torch.int16)), name
+        assert f"{name}.weight" not in tensors  # packed, not dense
+    return coded
+
+
+def check_round_trip(out, art):
+    """transformers' decoded weights are the artifact's, bit for bit, and so are the logits (fp32)."""
+    from slmedge.models.artifact_weights import load_model
+
+    ours = load_model(art)
+    theirs = transformers_model(out)
+    mine = dict(ours.state_dict())
+    for name in Artifact.open(art).manifest["layers"]:
+        assert torch.equal(theirs.get_submodule(name).weight.float(), mine[f"{name}.weight"]), name
+    torch.testing.assert_close(logits(theirs), logits(ours), rtol=1e-5, atol=1e-5)
+    return theirs
+
+
+# --- every architecture ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_every_architecture_round_trips(model_type, artifacts, tmp_path):
+    art = artifacts(model_type, "rtn", bits=4, group_size=32, symmetric=False)
+    report = export(art, tmp_path / "ct")
+    out = tmp_path / "ct"
+    assert report["type"] == "pack-quantized" and report["verification"]["max_abs_logit_diff"] <= 1e-3
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    assert qc["quantization_status"] == "compressed"
+    (group,) = qc["config_groups"].values()
+    assert group["targets"] == ["Linear"]
+    assert group["weights"]["num_bits"] == 4 and group["weights"]["group_size"] == 32
+    assert group["weights"]["symmetric"] is False and group["weights"]["strategy"] == "group"
+    assert "lm_head" in qc["ignore"]
+    assert (out / "tokenizer.json").is_file() and (out / "slmedge-export.json").is_file()
+    coded = check_codes(out, art)
+    assert report["codes_kept"] == len(coded)
+    check_round_trip(out, art)
+
+
+# --- methods and grids -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type,method,kw", [
+    ("llama", "gptq", {"bits": 4, "symmetric": True, "act_order": True}),
+    ("qwen2", "gptq", {"bits": 4, "symmetric": False, "act_order": True}),
+    ("qwen2", "gptq", {"bits": 4, "symmetric": False, "act_order": False}),
+    ("llama", "awq", {"bits": 4, "symmetric": False}),
+    ("qwen2", "awq", {"bits": 4, "symmetric": True}),
+    ("llama", "rtn", {"bits": 8, "symmetric": False, "group_size": 64}),
+    ("qwen2", "rtn", {"bits": 8, "symmetric": True, "group_size": -1}),
+    ("llama", "rtn", {"bits": 2, "symmetric": False}),
+])
+def test_methods_keep_their_codes(model_type, method, kw, artifacts, tmp_path):
+    art = artifacts(model_type, method, **kw)
+    out = tmp_path / "ct"
+    report = export(art, out)
+    check_codes(out, art)
+    check_round_trip(out, art)
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    weights = [g["weights"] for g in groups.values()]
+    assert {w["symmetric"] for w in weights} == {kw["symmetric"]}
+    assert {w["num_bits"] for w in weights} == {kw["bits"]}
+    grouped = [w for w in weights if w["strategy"] == "group"]
+    if kw.get("act_order") and grouped:  # static groups in the original column order: actorder weight
+        assert {w.get("actorder") for w in grouped} == {"weight"}
+    else:
+        assert all(w.get("actorder") is None for w in weights)
+    assert all(r["codes_kept"] for r in report["layers"].values())
+
+
+def test_a_group_as_wide_as_some_rows_becomes_a_per_channel_group(artifacts, tmp_path):
+    """Group 64 over 64-column linears is one group per row (channel); over 128 columns two groups."""
+    art = artifacts("llama", "rtn", bits=4, group_size=64, symmetric=False)
+    out = tmp_path / "ct"
+    export(art, out)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    by_strategy = {g["weights"]["strategy"]: g for g in qc["config_groups"].values()}
+    assert set(by_strategy) == {"channel", "group"}
+    assert by_strategy["group"]["weights"]["group_size"] == 64
+    assert all("down_proj" in t for t in by_strategy["group"]["targets"])
+    assert not any("down_proj" in t for t in by_strategy["channel"]["targets"])
+    check_codes(out, art)
+    check_round_trip(out, art)
+
+
+# --- pruning -----------------------------------------------------------------------------------
+
+
+def test_pruned_artifact_round_trips_its_mask(artifacts, tmp_path):
+    art = artifacts("qwen2", "wanda", bits=None, sparsity=0.5)
+    out = tmp_path / "ct"
+    report = export(art, out)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert not qc.get("config_groups")
+    sparsity = qc["sparsity_config"]
+    layers = Artifact.open(art).layers()
+    assert sparsity["format"] == "dense" and sparsity["sparsity_structure"] == "unstructured"
+    assert sorted(sparsity["targets"]) == sorted(layers) and abs(sparsity["global_sparsity"] - 0.5) < 0.02
+    theirs = check_round_trip(out, art)
+    for name, res in layers.items():
+        w = theirs.get_submodule(name).weight
+        assert torch.equal(w != 0, res.mask), name  # the kept weights of a random model are never 0
+    assert all(r["mask_kept"] for r in report["layers"].values())
+
+
+def test_pruned_and_quantized_keeps_codes_and_zeros(artifacts, tmp_path):
+    art = artifacts("llama", "sparsegpt", bits=4, sparsity=0.5, symmetric=False)
+    out = tmp_path / "ct"
+    report = export(art, out)
+    coded = check_codes(out, art)
+    theirs = check_round_trip(out, art)
+    for name, res in coded.items():
+        assert res.mask is not None
+        assert bool((theirs.get_submodule(name).weight[~res.mask] == 0).all()), name
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "pack-quantized" and sorted(qc["sparsity_config"]["targets"]) == sorted(coded)
+    assert report["type"] == "pack-quantized+sparse" and any("zero point" in n for n in report["notes"])
+
+
+# --- refusals ----------------------------------------------------------------------------------
+
+
+def test_ragged_group_is_refused_with_the_nearest_grid(artifacts, tmp_path):
+    from slmedge.export.compressed_tensors import CompressedTensorsExportError, nearest_group_size
+
+    art = artifacts("llama", "rtn", bits=4, group_size=48, symmetric=False)
+    out = tmp_path / "ct"
+    with pytest.raises(CompressedTensorsExportError) as err:
+        export(art, out)
+    msg = str(err.value)
+    assert "group size 48 does not divide" in msg and "--group-size 32" in msg and "Nothing was written" in msg
+    assert not out.exists() and not list(tmp_path.iterdir())
+    # SmolLM2-135M: 576 and 1536 input columns; group 128 leaves a ragged 64 -> 64 fits both
+    assert nearest_group_size(128, [576, 1536]) == 64
+    assert nearest_group_size(128, [2048, 8192]) == 128
+
+
+def test_bits_readers_disagree_on_are_refused(artifacts, tmp_path):
+    from slmedge.export.compressed_tensors import CompressedTensorsExportError
+
+    art = artifacts("qwen2", "rtn", bits=3, symmetric=False)
+    with pytest.raises(CompressedTensorsExportError, match="3-bit codes.*--bits 4"):
+        export(art, tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()
+
+
+def test_a_folder_without_codes_is_refused(tiny_models, tmp_path):
+    from slmedge.export.compressed_tensors import CompressedTensorsExportError
+
+    with pytest.raises(CompressedTensorsExportError, match="no codes or pruning masks"):
+        export(tiny_models("llama"), tmp_path / "ct")
+
+
+def test_verification_catches_wrong_weights(artifacts, tmp_path, monkeypatch):
+    """Scales written wrong (twice the artifact's) decode to other weights: refused, nothing left."""
+    import slmedge.export.compressed_tensors as ct
+    from slmedge.export.compressed_tensors import CompressedTensorsVerificationError
+
+    art = artifacts("llama", "rtn", bits=4, group_size=32, symmetric=False)
+    real = ct.pack_linear
+
+    def wrong(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out["weight_scale"] = out["weight_scale"] * 2
+        return out
+
+    monkeypatch.setattr(ct, "pack_linear", wrong)
+    with pytest.raises(CompressedTensorsVerificationError, match="other weights than the artifact's"):
+        export(art, tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()
+
+
+def test_missing_package_is_one_line_with_the_install_command(artifacts, tmp_path, monkeypatch):
+    art = artifacts("llama", "rtn", bits=4, group_size=32, symmetric=False)
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)  # import compressed_tensors -> ImportError
+    r = runner.invoke(app, ["export", str(art), "--format", "compressed-tensors", "-o", str(tmp_path / "ct")])
+    one_line_error(r, "compressed-tensors is not installed", "pip install 'slmedge[compressed-tensors]'")
+    assert not (tmp_path / "ct").exists()
+
+
+# --- the command line --------------------------------------------------------------------------
+
+
+def test_cli_export_inspect_and_tamper(artifacts, tmp_path):
+    art = artifacts("qwen2", "gptq", bits=4, symmetric=True, act_order=True)
+    out = tmp_path / "ct"
+    r = runner.invoke(app, ["export", str(art), "--format", "compressed-tensors", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "codes kept exactly" in r.output and "14 linears" in r.output and "verified against torch" in r.output
+    r = runner.invoke(app, ["inspect", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "compressed-tensors" in r.output and "pack-quantized" in r.output and "W4 group 32 sym" in r.output
+    info = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).output)
+    assert info["format"] == "compressed-tensors" and info["checksums"] == "match the manifest"
+    assert info["manifest"]["codes_kept"] == 14
+    # a plain from_pretrained (run compressed: compressed-tensors' CompressedLinear) agrees too
+    from transformers import AutoModelForCausalLM
+
+    from slmedge.models.artifact_weights import load_model
+
+    plain = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    torch.testing.assert_close(logits(plain), logits(load_model(art)), rtol=1e-5, atol=1e-5)
+    assert info["by_type"]["pack-quantized int4"]["tensors"] == 14
+    # again without --overwrite: refused; with it: replaced
+    r = runner.invoke(app, ["export", str(art), "--format", "compressed-tensors", "-o", str(out)])
+    one_line_error(r, "--overwrite")
+    r = runner.invoke(app, ["export", str(art), "--format", "compressed-tensors", "-o", str(out), "--overwrite",
+                            "--no-verify"])
+    assert r.exit_code == 0, r.output
+    # a changed weight file no longer matches the manifest
+    with open(out / "model.safetensors", "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\x00\x01\x02\x03")
+    one_line_error(runner.invoke(app, ["inspect", str(out)]), "checksum mismatch", "model.safetensors")
+
+
+def test_overwrite_never_replaces_a_folder_slmedge_did_not_write(artifacts, tmp_path):
+    art = artifacts("llama", "rtn", bits=4, group_size=32, symmetric=False)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    r = runner.invoke(app, ["export", str(art), "--format", "compressed-tensors", "-o", str(out), "--overwrite"])
+    one_line_error(r, "did not write")
+    assert (out / "notes.txt").read_text() == "keep me"
