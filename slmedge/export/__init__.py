@@ -4,6 +4,7 @@ Each format registers itself where its writer is defined (``formats.register_for
 importing this package registers the built-in ones: GGUF (llama.cpp) and ONNX (onnxruntime).
 """
 
+from . import ort_genai  # noqa: F401,I001  (registration; first: its folders hold a .onnx model too)
 from . import gguf, onnx  # noqa: F401  (registration)
 from . import compressed_tensors  # noqa: F401  (registration)
 from .errors import (ExportError, ExportVerificationError, GGUFExportError, GGUFVerificationError, ONNXExportError,

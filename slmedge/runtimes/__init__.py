@@ -15,3 +15,4 @@ from .registry import (RUNTIMES, RuntimeSpec, check_runtime_name, file_runtime, 
 from .torch_runtime import TorchRuntime, torch_tanh_cap  # noqa: F401,E402  isort:skip
 from .onnx_runtime import OnnxRuntime  # noqa: F401,E402  isort:skip
 from .llamacpp_runtime import LlamaCppRuntime  # noqa: F401,E402  isort:skip
+from .genai_runtime import GenaiRuntime  # noqa: F401,E402  isort:skip

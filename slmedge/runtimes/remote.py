@@ -102,6 +102,10 @@ class RemoteRuntime(Runtime):
         self.metadata = info.get("metadata") or {}
         self.n_params = info.get("n_params")
         self.providers = info.get("providers")
+        self.logits_from = info.get("logits_from")  # where its scores come from, when the runtime says
+
+    def info(self) -> dict:
+        return {**super().info(), **({"logits_from": self.logits_from} if self.logits_from else {})}
 
     @property
     def vocab_size(self) -> int:

@@ -7,14 +7,19 @@ exported file. Timings from here are emulated and never reported as device laten
 1. ``qemu-aarch64``: the one on PATH, else Debian's ``qemu-user-static`` package unpacked;
 2. a sysroot of Debian's arm64 ``python3.11`` and its libraries, downloaded with a private apt
    configuration (nothing is installed on this machine) and unpacked with ``dpkg-deb -x``;
-3. aarch64 wheels (numpy, onnxruntime, llama-cpp-python's pure-Python dependencies) put in with
-   this machine's pip (``--platform manylinux..._aarch64``);
+3. aarch64 wheels (numpy, onnxruntime, onnxruntime-genai, llama-cpp-python's pure-Python
+   dependencies) put in with this machine's pip (``--platform manylinux..._aarch64``, 2_28
+   included: onnxruntime-genai's tag; Debian 12's glibc is 2.36);
 4. llama.cpp's shared libraries cross-compiled (``aarch64-linux-gnu-g++``, armv8.2-a with dot
    product and fp16, no OpenMP) from the sources of the llama-cpp-python release installed here,
    behind a copy of its Python binding, so the same binding code runs on both sides;
 5. the pitfalls seen on qemu handled: a fake ARM ``/proc/cpuinfo`` in the sysroot
    (onnxruntime reads it at import), a named CPU (``-cpu max`` gave wrong int8 results on qemu
    7.2), the standard library precompiled, threads never above the cores.
+
+An environment that passed its check before is brought up to date in place when only wheels
+changed (a runtime registered since, another version here): those wheels are added to it, the
+sysroot and the llama.cpp build are kept (``--rebuild`` builds everything again).
 """
 
 from __future__ import annotations
@@ -235,20 +240,54 @@ def _site(root: Path) -> Path:
     return root / "sysroot" / "usr" / "lib" / "python3" / "dist-packages"
 
 
-def _setup_wheels(root: Path, log) -> None:
+def _wheel_specs(packages) -> list[str]:
+    """``pkg==<this machine's version>`` for each package (outputs compare), else the bare name."""
     from importlib.metadata import PackageNotFoundError, version
 
-    wheels = list(WHEELS)
-    for pkg in ("numpy", *(s.package for s in _arm64_runtimes("wheel"))):  # this machine's versions: outputs compare
+    out = []
+    for pkg in packages:
         try:
-            wheels.append(f"{pkg}=={version(pkg)}")
+            out.append(f"{pkg}=={version(pkg)}")
         except PackageNotFoundError:
-            wheels.append(pkg)
-    log("installing aarch64 wheels: " + ", ".join(wheels))
+            out.append(pkg)
+    return out
+
+
+def _pip_aarch64(root: Path, wheels: list[str], *extra: str) -> None:
     _run([sys.executable, "-m", "pip", "install", "-q", "--target", _site(root), "--upgrade", "--only-binary=:all:",
           "--platform", "manylinux_2_28_aarch64", "--platform", "manylinux2014_aarch64",
-          "--platform", "manylinux_2_17_aarch64", "--python-version", "3.11", "--implementation", "cp", *wheels],
-         "pip install (aarch64 wheels)", timeout=1800)
+          "--platform", "manylinux_2_17_aarch64", "--python-version", "3.11", "--implementation", "cp", *extra,
+          *wheels], "pip install (aarch64 wheels)", timeout=1800)
+
+
+def _setup_wheels(root: Path, log) -> None:
+    wheels = list(WHEELS) + _wheel_specs(("numpy", *(s.package for s in _arm64_runtimes("wheel"))))
+    log("installing aarch64 wheels: " + ", ".join(wheels))
+    _pip_aarch64(root, wheels)
+
+
+def _add_wheels(root: Path, packages: list[str], log) -> None:
+    """Put ``packages`` (this machine's versions) into an environment that has their dependencies."""
+    wheels = _wheel_specs(packages)
+    log("adding aarch64 wheels to the environment: " + ", ".join(wheels))
+    _pip_aarch64(root, wheels, "--no-deps")
+
+
+def _wheels_to_add(root: Path, record) -> list[str] | None:
+    """The wheels an environment that passed its check (``record``) lacks, or has in another
+    version than this machine, when that is all it lacks; None: it needs the whole setup."""
+    if not isinstance(record, dict) or not isinstance(record.get("wanted"), dict) or not record["wanted"]:
+        return None
+    have, want = record["wanted"], _wanted()
+    # The runtimes it was built with (a record without the list: those whose package it wanted).
+    had = record.get("runtimes") or [s.name for s in _arm64_runtimes() if s.package in have]
+    if check_problems(record.get("versions"), had) or not (root / "sysroot" / "usr" / "bin" / PYTHON).is_file():
+        return None
+    changed = [k for k in want if have.get(k) != want[k]] + [k for k in have if k not in want]
+    wheels = {"numpy", *(s.package for s in _arm64_runtimes("wheel"))}
+    if any(k not in wheels for k in changed):  # the setup itself, or a built runtime: everything again
+        return None
+    return [k for k in changed if k in want and want[k] is not None]
 
 
 def _cross_compilers() -> tuple[str, str] | None:
@@ -358,16 +397,26 @@ def setup_arm64(profile: Profile, log=print, rebuild: bool = False, llama_cpp: b
     if rebuild:
         shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
+    try:
+        previous = json.loads((root / "env.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        previous = None
+    add = _wheels_to_add(root, previous) if llama_cpp else None
     (root / "env.json").unlink(missing_ok=True)
     t0 = time.time()
     qemu = _setup_qemu(root, log)
-    if not (root / "sysroot" / "usr" / "bin" / PYTHON).is_file():
-        _setup_sysroot(root, log)
-    _setup_wheels(root, log)
-    built = {}
-    if llama_cpp:  # the runtimes that are built (llama.cpp): skipped with --no-llama-cpp
-        for spec in _arm64_runtimes("build"):
-            built[spec.name] = BUILDERS[spec.name](root, log)
+    if add is not None:  # it passed before and lacks only wheels: add those, keep the rest
+        if add:
+            _add_wheels(root, add, log)
+        built = dict(previous.get("built") or {})
+    else:
+        if not (root / "sysroot" / "usr" / "bin" / PYTHON).is_file():
+            _setup_sysroot(root, log)
+        _setup_wheels(root, log)
+        built = {}
+        if llama_cpp:  # the runtimes that are built (llama.cpp): skipped with --no-llama-cpp
+            for spec in _arm64_runtimes("build"):
+                built[spec.name] = BUILDERS[spec.name](root, log)
     log("precompiling the standard library and packages (host Python 3.11: same bytecode)")
     subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(root / "sysroot" / "usr" / "lib" / PYTHON),
                     str(_site(root))], capture_output=True)
