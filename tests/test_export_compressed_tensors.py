@@ -305,3 +305,25 @@ def test_overwrite_never_replaces_a_folder_slmedge_did_not_write(artifacts, tmp_
     r = runner.invoke(app, ["export", str(art), "--format", "compressed-tensors", "-o", str(out), "--overwrite"])
     one_line_error(r, "did not write")
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("method,kw", [("sparsegpt", {"bits": 4, "sparsity": 0.5}), ("wanda", {"bits": None,
+                                                                                             "sparsity": 0.5})])
+def test_a_version_1_artifact_exports_the_same_checkpoint(method, kw, tiny_models, calib_file, tmp_path):
+    """Dense fp32 weights (version 1) or rebuilt ones (version 2): the same tensors are written."""
+    from safetensors.torch import load_file
+
+    from conftest import small_recipe
+    from slmedge.compress.api import compress
+    from slmedge.compress.artifact import write_artifact
+
+    out = compress(str(tiny_models("qwen2")), small_recipe(calib_file, method=method, **kw), write=False, device="cpu")
+    args = (out.loaded.model, out.loaded.tokenizer, out.result.layers, out.result.extras, out.manifest)
+    v1 = write_artifact(tmp_path / "v1", *args, version=1)
+    v2 = write_artifact(tmp_path / "v2", *args, source_dir=out.loaded.hf_dir)
+    export(v1, tmp_path / "ct1")
+    export(v2, tmp_path / "ct2")
+    a, b = load_file(str(tmp_path / "ct1" / "model.safetensors")), load_file(str(tmp_path / "ct2" / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name

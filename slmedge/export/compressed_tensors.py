@@ -194,10 +194,19 @@ def model_linears(config) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
+def weight_args(key: tuple):
+    """compressed-tensors' QuantizationArgs of one grid (``_scheme_key``)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    bits, symmetric, g, act_order = key
+    return QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy="channel" if g == -1 else "group",
+                            group_size=None if g == -1 else g, actorder="weight" if act_order else None)
+
+
 def quantization_config(plan: dict, linears: list[str]):
     """compressed-tensors' QuantizationConfig of the plan (None: nothing quantized): one config group per
     grid, targeting ``Linear`` when there is one grid (its names otherwise), every other linear ignored."""
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
     schemes: dict[tuple, list[str]] = {}
     for name, p in plan.items():
@@ -207,12 +216,8 @@ def quantization_config(plan: dict, linears: list[str]):
         return None
     groups = {}
     for i, (key, names) in enumerate(sorted(schemes.items(), key=lambda kv: str(kv[0]))):
-        bits, symmetric, g, act_order = key
-        args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
-                                strategy="channel" if g == -1 else "group", group_size=None if g == -1 else g,
-                                actorder="weight" if act_order else None)
         groups[f"group_{i}"] = QuantizationScheme(targets=["Linear"] if len(schemes) == 1 else sorted(names),
-                                                  weights=args)
+                                                  weights=weight_args(key))
     quantized = {n for names in schemes.values() for n in names}
     return QuantizationConfig(config_groups=groups, format="pack-quantized", quantization_status="compressed",
                               ignore=[n for n in linears if n not in quantized])
@@ -246,11 +251,7 @@ def _stored_tensors(path: Path, rebuilt: set):
     from ..models.artifact_weights import KEPT_SUFFIX, weight_names
 
     if not is_compact(path):
-        for name, w in iter_weights(path):
-            if name not in rebuilt:
-                import torch
-
-                yield name, torch.from_numpy(w)
+        yield from ((name, t) for name, t in _iter_torch(path, None) if name not in rebuilt)
         return
     with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
         for name in weight_names(path):
@@ -289,14 +290,6 @@ def _iter_torch(path: Path, names):
         yield name, torch.from_numpy(w)
 
 
-def _ct_args(spec, scheme_key):
-    from compressed_tensors.quantization import QuantizationArgs
-
-    bits, symmetric, g, _ = scheme_key
-    return QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy="channel" if g == -1 else "group",
-                            group_size=None if g == -1 else g)
-
-
 def pack_linear(layer: str, res, weight, scheme_key, qconfig) -> dict:
     """The pack-quantized tensors of one linear (names relative to it), by compressed-tensors' own
     compressor from the artifact's weight, scales and zero points; its codes checked against the
@@ -305,7 +298,7 @@ def pack_linear(layer: str, res, weight, scheme_key, qconfig) -> dict:
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.quantized_compressors.pack_quantized import unpack_from_int32
 
-    args = _ct_args(res.spec, scheme_key)
+    args = weight_args(scheme_key)
     offset = 1 << (res.spec.bits - 1)  # compressed-tensors stores codes signed: q - 2**(bits-1)
     compressor = BaseCompressor.load_from_registry("pack-quantized", config=qconfig)
     scale = res.scales.float()
