@@ -297,6 +297,14 @@ def test_cli_export_inspect_and_tamper(artifacts, tmp_path):
     one_line_error(runner.invoke(app, ["inspect", str(out)]), "checksum mismatch", "model.safetensors")
 
 
+def test_the_type_is_the_artifacts(artifacts, tmp_path):
+    art = artifacts("llama", "rtn", bits=4, group_size=32, symmetric=False)
+    r = runner.invoke(app, ["export", str(art), "--format", "compressed-tensors", "--type", "int4", "-o",
+                            str(tmp_path / "ct")])
+    one_line_error(r, "unknown compressed-tensors type 'int4'; choose auto")
+    assert "auto," not in r.output and not (tmp_path / "ct").exists()
+
+
 def test_overwrite_never_replaces_a_folder_slmedge_did_not_write(artifacts, tmp_path):
     art = artifacts("llama", "rtn", bits=4, group_size=32, symmetric=False)
     out = tmp_path / "mine"

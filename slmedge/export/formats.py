@@ -75,7 +75,7 @@ class ExportFormat:
         """``qtype`` lower-cased, or the format's error naming the choices."""
         key = str(qtype).lower()
         if key != "auto" and key not in self.types:
-            raise self.error(f"unknown {self.label} type '{qtype}'; choose auto, {', '.join(self.types)}")
+            raise self.error(f"unknown {self.label} type '{qtype}'; choose {', '.join(('auto', *self.types))}")
         return key
 
     def output_name(self, stem: str) -> str:
