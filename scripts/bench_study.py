@@ -11,15 +11,16 @@ checked one by one on whatever the store holds.
 Findings checked per model (the seed study's claims): quantization ahead of pruning on fidelity
 (mean KL, top-1), on multilingual perplexity (geometric mean over corpora) and on task accuracy
 (mean over tasks), overall and INT4 against 50% / 2:4 sparsity; Wanda against SparseGPT at each
-sparsity; and the methods ranked by each metric (does a single metric mislead?). Each is printed
-with its numbers.
+sparsity; and the methods ranked by each metric (does a single metric mislead?); then size and
+speed: each family's files per target and what sparsity gained in each export format. Each is
+printed with its numbers, followed by the "best under N MB / above M tokens/s" tables and the job
+time per kind (compress, export, evaluate).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -28,89 +29,34 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def mean(values):
-    v = [x for x in values if x is not None]
-    return sum(v) / len(v) if v else None
-
-
-def gmean(values):
-    v = [x for x in values if x is not None and x > 0]
-    return math.exp(sum(math.log(x) for x in v) / len(v)) if v else None
-
-
-KIND = {"gptq": "quant", "awq": "quant", "rtn": "quant", "sparsegpt": "prune", "wanda": "prune", "magnitude": "prune"}
-# metric, label, lower is better, how the subsets (languages, tasks) are combined
-METRICS = (("kl_mean", "fidelity (mean KL to the base)", True, mean),
-           ("top1_agreement", "fidelity (top-1 agreement)", False, mean),
-           ("perplexity", "multilingual perplexity (geometric mean over corpora)", True, gmean),
-           ("acc", "task accuracy (mean over tasks)", False, mean))
-
-
-def score(row, metric, how):
-    return how(list(row["metrics"].get(metric, {}).values()))
-
-
 def findings(rows: list[dict]) -> list[str]:
-    """The seed study's claims against these rows (torch artifacts and exports alike)."""
-    def agg(group, metric, how):
-        return mean([score(r, metric, how) for r in group])
+    """The seed study's claims against these rows, then size and speed (slmedge.study.report)."""
+    from slmedge.study.report import findings as report_findings
 
-    out = []
-    quant = [r for r in rows if KIND.get(r["labels"].get("method_name")) == "quant"]
-    prune = [r for r in rows if KIND.get(r["labels"].get("method_name")) == "prune"]
-    if quant and prune:
-        for metric, label, lower, how in METRICS:
-            q, p = agg(quant, metric, how), agg(prune, metric, how)
-            if q is None or p is None:
-                continue
-            holds = q < p if lower else q > p
-            out.append(f"quantization ahead of pruning on {label}: quantized {q:.4g} vs pruned {p:.4g} -> "
-                       f"{'holds' if holds else 'does NOT hold'}")
-        # At a like compression: INT4 against 50% sparsity (unstructured and 2:4).
-        q4 = [r for r in quant if r["labels"].get("bits") == 4]
-        p50 = [r for r in prune if str(r["labels"].get("sparsity")) in ("0.5", "2:4")]
-        if q4 and p50:
-            parts = []
-            for metric, label, lower, how in METRICS:
-                q, p = agg(q4, metric, how), agg(p50, metric, how)
-                if q is not None and p is not None:
-                    parts.append(f"{metric} {q:.4g} vs {p:.4g} ({'quant' if (q < p) == lower else 'prune'} ahead)")
-            out.append("INT4 vs 50% / 2:4 sparsity: " + "; ".join(parts))
-    # Wanda against SparseGPT, setting by setting.
-    for sparsity in ("0.5", "0.75", "2:4"):
-        w = [r for r in rows if r["labels"].get("method_name") == "wanda" and str(r["labels"].get("sparsity")) == sparsity]
-        s = [r for r in rows if r["labels"].get("method_name") == "sparsegpt" and str(r["labels"].get("sparsity")) == sparsity]
-        if w and s:
-            parts, wins = [], 0
-            for metric, label, lower, how in METRICS:
-                a, b = agg(w, metric, how), agg(s, metric, how)
-                if a is not None and b is not None:
-                    better = (a < b) == lower
-                    wins += better
-                    parts.append(f"{metric} {a:.4g} vs {b:.4g}")
-            out.append(f"Wanda vs SparseGPT at sparsity {sparsity}: " + "; ".join(parts) +
-                       f" -> Wanda ahead on {wins} of {len(parts)}")
-    # A single metric misleads: the methods ranked by each metric.
-    methods = sorted({r["labels"].get("method") for r in rows if r["labels"].get("method_name") in KIND})
-    if len(methods) > 2:
-        ranks = {}
-        for metric, label, lower, how in METRICS:
-            vals = {m: agg([r for r in rows if r["labels"].get("method") == m], metric, how) for m in methods}
-            if all(v is not None for v in vals.values()):
-                ranks[metric] = sorted(methods, key=lambda m: vals[m] if lower else -vals[m])
-        for metric, order in ranks.items():
-            out.append(f"ranked by {metric}: " + " > ".join(order))
-        if len({tuple(o) for o in ranks.values()}) > 1:
-            out.append("the metrics rank the methods differently (a single metric misleads)")
-    return out
+    return report_findings(rows)
 
 
 def print_per_model(rows) -> None:
+    from slmedge.study.report import best_under
+
     for model in dict.fromkeys(r["labels"].get("model") for r in rows):  # each model's grid on its own
         mine = [r for r in rows if r["labels"].get("model") == model]
         print(f"{model}: {len(mine)} evaluations")
         for line in findings(mine):
             print("  " + line)
+        for table in best_under(mine):
+            print(f"  {table['title']}:")
+            print("    " + " | ".join(table["columns"]))
+            for row in table["rows"]:
+                print("    " + " | ".join(str(c) for c in row))
+
+
+def print_time_by_kind(store, study: str) -> None:
+    """Job time per kind over the grid as it stands (every run that finished a job of it)."""
+    rows = store.db.execute("SELECT kind, COUNT(*), SUM(seconds) FROM study_jobs WHERE study = ? AND in_grid = 1 "
+                            "AND status = 'done' GROUP BY kind", (study,)).fetchall()
+    print("job time by kind (the grid's finished jobs): " + "; ".join(
+        f"{kind} {n} job(s) {secs or 0:.0f} s ({(secs or 0) / n:.0f} s each)" for kind, n, secs in rows))
 
 
 def print_findings_only(study, store, wd: Path) -> int:
@@ -187,6 +133,7 @@ def main() -> int:
           f"wall {wall:.0f} s, {counts['ran'] / max(wall / 60, 1e-9):.2f} jobs/min")
     print(f"job time with sharing {shared:.0f} s; every evaluation's chain alone {alone:.0f} s; "
           f"sharing saved {alone - shared:.0f} s ({1 - shared / alone:.0%})" if alone else "")
+    print_time_by_kind(store, study.name)
     print_per_model(rows)
     print(f"report: {report}")
     store.close()

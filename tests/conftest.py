@@ -142,3 +142,22 @@ def require_import(module: str, reason: str | None = None):
         return importlib.import_module(module)
     except ImportError as exc:
         missing_prerequisite(reason or f"{module} is not importable ({exc})")
+
+
+def require_arm64_env() -> dict:
+    """The built arm64 environment's record (env.json, written only after its runner passed the
+    check); a test that needs it skips without it, and fails under CI=true."""
+    import json
+
+    from slmedge.targets.emulation import env_root
+
+    f = env_root() / "env.json"
+    if not f.is_file():
+        missing_prerequisite(f"no arm64 environment in {f.parent}: slmedge targets setup arm64 "
+                             "(scripts/test.sh builds it)")
+    return json.loads(f.read_text())
+
+
+@pytest.fixture
+def arm64_env() -> dict:
+    return require_arm64_env()

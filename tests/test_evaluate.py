@@ -187,7 +187,8 @@ def test_results_go_to_store_and_json_and_survive_an_interrupt(tiny_models, tmp_
     store.close()
     with sqlite3.connect(db) as con:
         names = [r[0] for r in con.execute("SELECT name FROM migrations")]
-        assert names == ["0001_runs_and_results", "0002_study_jobs", "0003_study_jobs_in_grid", "0004_run_status"]
+        assert names == ["0001_runs_and_results", "0002_study_jobs", "0003_study_jobs_in_grid", "0004_run_status",
+                         "0005_study_job_facts"]
         status, error = con.execute("SELECT status, error FROM runs WHERE id = ?", (ev.run_id,)).fetchone()
         assert (status, error) == ("failed", "interrupted")  # kept, and not taken for a finished run
         con.execute("INSERT INTO migrations VALUES ('9999_from_the_future', 'x')")

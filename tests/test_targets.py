@@ -299,17 +299,6 @@ def test_ssh_profile_fields_never_reach_a_shell(tmp_path, monkeypatch):
 # --- arm64 under qemu ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def arm64_env() -> dict:
-    """The built arm64 environment's record (env.json, written only after its runner passed the
-    check); a test that needs it skips without it, and fails under CI=true."""
-    from slmedge.targets.emulation import env_root
-
-    f = env_root() / "env.json"
-    if not f.is_file():
-        missing_prerequisite(f"no arm64 environment in {f.parent}: slmedge targets setup arm64 "
-                             "(scripts/test.sh builds it)")
-    return json.loads(f.read_text())
 
 
 @pytest.mark.parametrize("runtime", ["llama.cpp", "onnxruntime"])

@@ -84,6 +84,10 @@ def study_command(
         console.print(f"study {study.name}: {counts['ran']} job(s) run{extra}, {counts['already_done']} already done, "
                       f"{counts['reused']} adopted from disk, in {counts['seconds']:.0f} s ({per_min:.1f} jobs/min); "
                       f"results in {store.path} — slmedge report --study {study.name} -o report.html")
+        spent = [(k, counts["ran_by_kind"][k], t) for k, t in counts["seconds_by_kind"].items() if counts["ran_by_kind"][k]]
+        if spent:
+            console.print("job time by kind: " + "; ".join(f"{k} {n} job(s), {t:.0f} s ({t / n:.0f} s each)"
+                                                          for k, n, t in spent), markup=False, highlight=False)
 
 
 def report_command(
@@ -94,6 +98,10 @@ def report_command(
     study: Optional[str] = typer.Option(None, "--study", help="Only this study's evaluations."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report (only one slmedge wrote; "
                                    "any other file is refused)."),
+    under_mb: Optional[str] = typer.Option(None, "--under-mb", help="Size budgets of the 'best under N MB' tables, "
+                                           "comma-separated (default: the smallest, median and largest file)."),
+    above_tps: Optional[str] = typer.Option(None, "--above-tps", help="Decode speeds of the 'best above M tokens/s' "
+                                            "tables, comma-separated (default: the slowest, median and fastest)."),
 ):
     """Turn the results store into tables, plots and caveats a person reads.
 
@@ -112,10 +120,26 @@ def report_command(
     with errors_to_exit():
         if fmt not in ("html", "md"):
             raise ConfigError(f"--format is html or md, not {fmt}")
+        budgets, speeds = _positive_list(under_mb, "--under-mb"), _positive_list(above_tps, "--above-tps")
         store = ResultsStore(store_path, readonly=True)
         try:
-            info = write_report(store, output, fmt, study, overwrite=overwrite)
+            info = write_report(store, output, fmt, study, overwrite=overwrite, budgets_mb=budgets, min_tps=speeds)
         finally:
             store.close()
         left = f" ({info['left_out']} that failed or did not finish left out)" if info.get("left_out") else ""
         console.print(f"report: {info['rows']} evaluations{left} -> {info['path']}")
+
+
+def _positive_list(text: str | None, option: str) -> list[float] | None:
+    """A comma-separated list of positive numbers (an option's value), or None when not given."""
+    from ..errors import ConfigError
+
+    if text is None:
+        return None
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not (v > 0) or v == float("inf") for v in values):
+        raise ConfigError(f"{option} takes positive numbers separated by commas, not '{text}'")
+    return values

@@ -92,6 +92,12 @@ MIGRATIONS: list[tuple[str, str]] = [
         ALTER TABLE runs ADD COLUMN error TEXT;
         ALTER TABLE runs ADD COLUMN finished_at TEXT;
     """),
+    # What a finished study job made, kept in the store (JSON): a compress job's compression level,
+    # an export's type, size and whether its codes were kept, an evaluation's compression level of
+    # what it evaluated. The report reads them here, so a deleted artifact keeps its place in it.
+    ("0005_study_job_facts", """
+        ALTER TABLE study_jobs ADD COLUMN facts TEXT;
+    """),
 ]
 
 RUN_STATUSES = ("running", "done", "failed")

@@ -64,6 +64,12 @@ class StudyStore:
                 out[kind] = out.get(kind, 0) + 1
         return {k: out[k] for k in ("compress", "export", "evaluate") if k in out}
 
+    def facts(self, study: str) -> dict[str, dict]:
+        """job id -> the facts its worker recorded (levels.py), for the finished jobs that have them."""
+        rows = self.db.execute("SELECT job_id, facts FROM study_jobs WHERE study = ? AND status = 'done' "
+                               "AND facts IS NOT NULL", (study,))
+        return {r[0]: json.loads(r[1]) for r in rows}
+
     def finished(self, study: str) -> dict[str, dict]:
         rows = self.db.execute("SELECT job_id, output, run_id FROM study_jobs WHERE study = ? AND status = 'done'",
                                (study,))
@@ -83,9 +89,10 @@ class StudyStore:
             for call in calls[1:]:
                 self.store.add(run_id, *call["args"][1:], **call["kwargs"])
         with self.db:  # the job's row and its event in one transaction
-            self.db.execute("UPDATE study_jobs SET status = 'done', output = ?, run_id = ?, seconds = ?, finished_at = ? "
-                            "WHERE study = ? AND job_id = ?",
-                            (result.get("output"), run_id, result.get("seconds"), _now(), study, job.id))
+            self.db.execute("UPDATE study_jobs SET status = 'done', output = ?, run_id = ?, seconds = ?, finished_at = ?, "
+                            "facts = ? WHERE study = ? AND job_id = ?",
+                            (result.get("output"), run_id, result.get("seconds"), _now(),
+                             json.dumps(result["facts"], sort_keys=True) if result.get("facts") else None, study, job.id))
             self.db.execute("INSERT INTO study_events (study, job_id, event, detail, at) VALUES (?, ?, 'finished', ?, ?)",
                             (study, job.id, "reused" if result.get("reused") else None, _now()))
 
@@ -160,11 +167,16 @@ def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) 
     import warnings
 
     warnings.filterwarnings("ignore")
+    from . import levels
+
     t0 = time.perf_counter()
     spec, out = job["spec"], Path(job["output"]) if job["output"] else None
     if job["kind"] == "compress":
+        from ..models.artifact_format import read_manifest
+
         if _made(job["kind"], spec, out):  # finished before a kill, not yet recorded
-            return {"output": str(out), "reused": True, "seconds": 0.0}
+            return {"output": str(out), "reused": True, "seconds": 0.0,
+                    "facts": levels.artifact_level(read_manifest(out).get("summary") or {})}
         from ..compress.api import compress
         from ..compress.recipe import Recipe
 
@@ -174,15 +186,22 @@ def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) 
             torch.set_num_threads(threads)
         compress(spec["model"], Recipe(method=spec["method"], **spec["recipe"]), out, data_dir=data_dir,
                  device="cpu", overwrite=True)
-        return {"output": str(out), "seconds": time.perf_counter() - t0}
+        return {"output": str(out), "seconds": time.perf_counter() - t0,
+                "facts": levels.artifact_level(read_manifest(out).get("summary") or {})}
     if job["kind"] == "export":
+        from ..export.formats import get_format
+
+        fmt = get_format(spec["format"])
         if _made(job["kind"], spec, out):
-            return {"output": str(out), "reused": True, "seconds": 0.0}
+            return {"output": str(out), "reused": True, "seconds": 0.0,
+                    "facts": levels.export_facts(fmt, {**(fmt.read_manifest(out) or {}), "bytes": _bytes(fmt, out)},
+                                                 bool(job["labels"].get("bits")))}
         from ..export.api import export
 
         source = job["source_path"]
-        export(source, spec["format"], spec["type"], out, overwrite=True, n_threads=threads)
-        return {"output": str(out), "seconds": time.perf_counter() - t0}
+        report = export(source, spec["format"], spec["type"], out, overwrite=True, n_threads=threads)
+        return {"output": str(out), "seconds": time.perf_counter() - t0,
+                "facts": levels.export_facts(fmt, report, bool(job["labels"].get("bits")))}
     from ..evaluate.api import EvalSettings, evaluate
 
     ev = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["settings"].items()}
@@ -190,7 +209,20 @@ def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) 
     ev["data_dir"] = data_dir
     rec = _RowRecorder()
     results = evaluate(job["output"], EvalSettings(**ev, target=spec["target"]), store=rec)
-    return {"rows": rec.calls, "results": results, "seconds": time.perf_counter() - t0}
+    facts = levels.evaluated_level(job["output"], job["labels"], results)
+    if job["labels"].get("format") not in (None, "none"):
+        settings = EvalSettings(**ev)
+        facts["projections"] = levels.projections(job["labels"]["format"], Path(job["output"]),
+                                                  settings.pp + settings.tg // 2)
+    return {"rows": rec.calls, "results": results, "seconds": time.perf_counter() - t0, "facts": facts}
+
+
+def _bytes(fmt, out: Path) -> int | None:
+    """The bytes of an export's model files (what a device loads)."""
+    try:
+        return sum(Path(f).stat().st_size for f in fmt.model_files(fmt.model_file(out)))
+    except (OSError, ValueError):
+        return None
 
 
 # --- engines ----------------------------------------------------------------------------------
@@ -301,7 +333,8 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
     remaining = [j for j in jobs if j.id not in done]
     counts = {"jobs": len(jobs), "already_done": sum(1 for j in jobs if j.id in done), "ran": 0, "reused": 0,
               "failed": 0, "blocked": 0, "rebuilt": len(rebuild), "discarded_bytes": 0,
-              "ran_by_kind": {"compress": 0, "export": 0, "evaluate": 0}, "inputs_changed": changed}
+              "ran_by_kind": {"compress": 0, "export": 0, "evaluate": 0},
+              "seconds_by_kind": {"compress": 0.0, "export": 0.0, "evaluate": 0.0}, "inputs_changed": changed}
     dependents: dict[str, set[str]] = {}
     for j in jobs:
         for d in j.deps:
@@ -364,6 +397,7 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
                     counts["reused" if res.get("reused") else "ran"] += 1
                     if not res.get("reused"):
                         counts["ran_by_kind"][j.kind] += 1
+                        counts["seconds_by_kind"][j.kind] += float(res.get("seconds") or 0.0)
                     for d in j.deps:
                         discard_if_unneeded(d)
                 if progress:

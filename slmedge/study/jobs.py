@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .spec import Study
+from .spec import Study, deployable_exports
 
 
 @dataclass
@@ -60,8 +60,8 @@ def build_jobs(study: Study, workdir: Path, data_dir=None) -> list[Job]:
         return jobs[job.id]
 
     code = ins.slmedge_digest()  # slmedge's source: the code every job runs
-    ev_settings = dict(study.evaluate)
-    ev_data = ins.evaluate_inputs(ev_settings, data_dir)
+    ev_settings = {t: study.evaluate_for(t) for t in study.targets}
+    ev_data = {t: ins.evaluate_inputs(ev_settings[t], data_dir) for t in study.targets}
     profiles = {t: ins.profile_sha256(t) for t in study.targets}
     def calibrates(m) -> bool:  # rtn and magnitude read no calibration data
         return not m.is_base and METHODS[m.method].cls(Recipe(method=m.method, **m.settings)).needs_calibration
@@ -93,7 +93,10 @@ def build_jobs(study: Study, workdir: Path, data_dir=None) -> list[Job]:
                 # What the next job reads of the model itself: nothing when it reads a compress job's
                 # artifact (that job's id stands for it).
                 direct, direct_pkgs = ({}, ()) if source_dep else ({"model": model_id}, model_pkgs)
-                for exp in study.exports:
+                # (an export listed twice, once by "deployable", is one job: jobs are identified by their specs)
+                exports = [x for e in study.exports
+                           for x in (deployable_exports(method) if e.format == "deployable" else [e])]
+                for exp in exports:
                     labels = {**base_labels, "export": exp.label, "format": exp.format, "type": exp.type}
                     if exp.format == "none":
                         subject, deps, reads, pkgs = source, source_dep, direct, ins.TORCH_STACK + direct_pkgs
@@ -108,8 +111,8 @@ def build_jobs(study: Study, workdir: Path, data_dir=None) -> list[Job]:
                         subject, deps, reads = ex.output, [ex.id], {}
                     for target in study.targets:
                         spec = {"kind": "evaluate", "subject": deps[0] if deps else model, "target": target,
-                                "settings": ev_settings,
-                                "inputs": {**reads, "data": ev_data, "target_profile": profiles[target],
+                                "settings": ev_settings[target],
+                                "inputs": {**reads, "data": ev_data[target], "target_profile": profiles[target],
                                            "versions": ins.versions(pkgs, code)}}
                         add(Job(_id(spec), "evaluate", spec, {**labels, "target": target}, list(deps), subject))
     ins.save_hashes()  # the next run finds unchanged files' hashes without reading them

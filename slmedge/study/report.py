@@ -17,6 +17,7 @@ import html
 import io
 import json
 import math
+import sqlite3
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from .. import __version__
 from ..errors import OutputExistsError, SlmedgeError
 from ..evaluate.store import ResultsStoreError
 from ..models.artifact_format import read_manifest
+from .levels import family
 
 MARKER = "slmedge-report"
 _HTML_START = "<!doctype html>"
@@ -73,6 +75,9 @@ def load_rows(store, study: str | None = None) -> list[dict]:
         jobs = [(None, json.dumps({"model": m, "method": "-", "export": rt, "target": t}), rid, "{}")
                 for rid, m, rt, t in db.execute(f"SELECT id, model, runtime, target FROM runs r WHERE {_FINISHED} "
                                                 "ORDER BY id")]
+    facts: dict = {}
+    for st in {j[0] for j in jobs} - {None}:
+        facts.update({(st, k): v for k, v in _job_facts(db, st).items()})
     out = []
     for st, labels, run_id, spec in jobs:
         run = db.execute("SELECT model, runtime, threads, target, emulated, settings FROM runs WHERE id = ? "
@@ -86,14 +91,34 @@ def load_rows(store, study: str | None = None) -> list[dict]:
             if extra and metric in ("acc", "acc_norm"):
                 metrics.setdefault("_n", {})[subset] = json.loads(extra).get("n")
         lab = json.loads(labels)
-        level = _compression_bits(db, st, json.loads(spec).get("subject"), lab, _value({"metrics": metrics},
-                                                                                       "bits_per_weight"))
+        subject = json.loads(spec).get("subject")
+        mine = facts.get((st, _job_id(db, st, run_id)), {})
+        export = facts.get((st, subject), {}) if lab.get("format") not in (None, "none") else {}
+        level = mine.get("bits_per_weight")
+        if level is None:  # a store written before the facts: from the artifact, while it is there
+            level = _compression_bits(db, st, subject, lab, _value({"metrics": metrics}, "bits_per_weight"))
         out.append({"study": st, "labels": lab, "run_id": run_id, "runtime": run[1], "threads": run[2],
-                    "compression_bits": level,
+                    "compression_bits": level, "level": mine.get("level"), "export": export, "facts": mine,
+                    "family": family(lab) if st is not None else None,
                     "target": run[3], "emulated": bool(run[4]), "settings": json.loads(run[5]), "metrics": metrics,
                     "name": " · ".join(str(x) for x in (lab.get("model"), lab.get("method"), lab.get("export"),
                                                          lab.get("target")) if x not in (None, "", "none"))})
     return out
+
+
+def _job_facts(db, study) -> dict:
+    """job id -> facts (levels.py) of a study's finished jobs; {} for a store older than them."""
+    try:
+        rows = db.execute("SELECT job_id, facts FROM study_jobs WHERE study = ? AND status = 'done' AND facts IS NOT NULL",
+                          (study,)).fetchall()
+    except sqlite3.OperationalError:  # a store opened read-only before the facts column
+        return {}
+    return {r[0]: json.loads(r[1]) for r in rows}
+
+
+def _job_id(db, study, run_id):
+    row = db.execute("SELECT job_id FROM study_jobs WHERE study = ? AND run_id = ?", (study, run_id)).fetchone()
+    return row[0] if row else None
 
 
 def _compression_bits(db, study, subject, labels, file_bits):
@@ -103,7 +128,11 @@ def _compression_bits(db, study, subject, labels, file_bits):
     if labels.get("format") not in (None, "none"):
         return file_bits
     if labels.get("method_name") in (None, "none", "-"):
-        return 16.0 if labels.get("method_name") == "none" else file_bits
+        if labels.get("method_name") != "none":
+            return file_bits
+        from .levels import source_level  # what the base is stored as (a GGUF base: its file's level)
+
+        return source_level(str(labels.get("model"))).get("bits_per_weight", 16.0)
     row = db.execute("SELECT output FROM study_jobs WHERE study = ? AND job_id = ?", (study, subject)).fetchone()
     try:
         summary = read_manifest(row[0])["summary"]
@@ -130,9 +159,9 @@ def _subsets(rows, metric) -> list[str]:
     return seen
 
 
-def tables(rows: list[dict]) -> list[dict]:
+def tables(rows: list[dict], budgets_mb=None, min_tps=None) -> list[dict]:
     """[{title, columns, rows}] — the study's tables."""
-    out = []
+    out = [t for t in (level_table(rows),) if t]
     langs = _subsets(rows, "perplexity")
     if langs:
         out.append({"title": "Perplexity per language (token perplexity; lower is better)",
@@ -157,6 +186,8 @@ def tables(rows: list[dict]) -> list[dict]:
         out.append({"title": "Memory and latency per target", "columns": ["evaluation", "target", *[m[1] for m in sysm]],
                     "rows": [[r["name"], r["target"] + (" (emulated)" if r["emulated"] else ""),
                               *[_fmtf(_value(r, k), f) for k, _, f in sysm]] for r in rows]})
+    out += best_under(rows, budgets_mb, min_tps)
+    out += [t for t in (snr_table(rows), projection_table(rows)) if t]
     return out
 
 
@@ -265,44 +296,306 @@ def plots(rows: list[dict]) -> list[tuple[str, bytes]]:
         ax.set_title("Accuracy per task")
         ax.legend(fontsize=6)
         out.append(("Accuracy per task", _fig_png(fig)))
-    qual = [(r, _quality(r)) for r in rows if _quality(r) is not None]
-    for xkey, xlabel, better_low in (("file_bytes", "file size (MB)", True), ("decode_tps", "decode tokens/s", False)):
-        for target in sorted({r["target"] for r, _ in qual}):
-            data = [(r, q, _value(r, xkey)) for r, q in qual if r["target"] == target and _value(r, xkey)]
-            if len(data) < 1:
-                continue
-            fig, ax = plt.subplots(figsize=(6, 4))
-            xs = [d[2] / 1e6 if xkey == "file_bytes" else d[2] for d in data]
-            ys = [d[1] for d in data]
-            ax.scatter(xs, ys)
-            for (r, _, _), x, y in zip(data, xs, ys):
-                fmt = r["labels"].get("format")
-                ax.annotate(str(r["labels"].get("method", r["name"])) + (f" ({fmt})" if fmt not in (None, "none") else ""),
-                            (x, y), fontsize=7)
-            front = _pareto(list(zip(xs, ys)), better_low)
-            ax.plot([p[0] for p in front], [p[1] for p in front], "r--", label="Pareto front")
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("mean perplexity (lower is better)")
-            emu = any(r["emulated"] for r, _, _ in data)
-            ax.set_title(f"Quality against {xlabel.split(' (')[0]} — target {target}" + (" (EMULATED)" if emu else ""))
-            ax.legend(fontsize=7)
-            out.append((f"Pareto front: quality against {xlabel} on {target}", _fig_png(fig)))
+    out += pareto_plots(rows)
     return out
 
 
-def _quality(row):
-    return _mean(list(row["metrics"].get("perplexity", {}).values()))
+# --- the practitioner's view: quality against size and speed, per target ---------------------------
+
+def _gmean(values):
+    v = [x for x in values if x is not None and x > 0 and not math.isinf(x)]
+    return math.exp(sum(math.log(x) for x in v) / len(v)) if v else None
 
 
-def _pareto(points, x_low_better: bool):
-    """Points no other point beats on both axes (perplexity: lower is better)."""
-    front = []
-    for x, y in points:
-        dominated = any(((x2 <= x) if x_low_better else (x2 >= x)) and y2 <= y and (x2, y2) != (x, y)
-                        for x2, y2 in points)
-        if not dominated:
-            front.append((x, y))
-    return sorted(front)
+# Each quality measure: key, label, lower is better, its value for a row.
+QUALITY = (
+    ("kl", "mean KL to the base", True, lambda r: _mean(list(r["metrics"].get("kl_mean", {}).values()))),
+    ("ppl", "perplexity (geometric mean over the languages)", True,
+     lambda r: _gmean(r["metrics"].get("perplexity", {}).values())),
+    ("acc", "mean task accuracy", False,
+     lambda r: _mean([_task_acc(r, t) for t in r["metrics"].get("acc", {})])),
+)
+COLOURS = {"base": "black", "quantize": "tab:blue", "prune": "tab:orange", "both": "tab:green", None: "tab:gray"}
+
+
+def file_size(row):
+    """Bytes of the file a row evaluated: measured with the memory metric, else the export's own count."""
+    v = _value(row, "file_bytes")
+    return v if v is not None else (row.get("export") or {}).get("bytes")
+
+
+def _deployed(rows):
+    """The rows that are files a device runs (exports); a study of torch rows alone: all of them."""
+    files = [r for r in rows if r["labels"].get("format") not in (None, "none")]
+    return files or rows
+
+
+def _axes(rows, target):
+    """(key, label, lower is better, value of a row, the rows it applies to) for the x axes on a target."""
+    mine = [r for r in _deployed(rows) if r["target"] == target]
+    return [("file_bytes", "file size (MB)", True, lambda r: (file_size(r) or 0) / 1e6 or None, mine),
+            ("decode_tps", "decode tokens/s", False, lambda r: _value(r, "decode_tps"),
+             [r for r in mine if not r["emulated"]])]
+
+
+def _point_name(r) -> str:
+    fmt = r["labels"].get("format")
+    name = str(r["labels"].get("method", r["name"]))
+    if fmt not in (None, "none"):
+        name += f" ({r['labels'].get('export') or fmt})"
+    if (r.get("export") or {}).get("codes") == "requantized":
+        name += " requantized"
+    return name
+
+
+def pareto_plots(rows) -> list[tuple[str, bytes]]:
+    """Per target, each quality measure against file size and against decode speed, coloured by
+    family, with the Pareto front."""
+    import matplotlib.pyplot as plt
+
+    out = []
+    for target in dict.fromkeys(r["target"] for r in rows):
+        emulated = any(r["emulated"] for r in rows if r["target"] == target)
+        for xkey, xlabel, x_low, xval, subset in _axes(rows, target):
+            for qkey, qlabel, q_low, qval in QUALITY:
+                data = [(r, xval(r), qval(r)) for r in subset if xval(r) and qval(r) is not None]
+                if not data:
+                    continue
+                fig, ax = plt.subplots(figsize=(6.5, 4))
+                for fam in dict.fromkeys(r.get("family") for r, _, _ in data):
+                    pts = [(x, y) for r, x, y in data if r.get("family") == fam]
+                    ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=COLOURS.get(fam, "tab:gray"),
+                               label=fam or "evaluation")
+                for r, x, y in data:
+                    ax.annotate(_point_name(r), (x, y), fontsize=6)
+                front = _pareto([(x, y) for _, x, y in data], x_low, q_low)
+                ax.plot([p[0] for p in front], [p[1] for p in front], "r--", linewidth=1, label="Pareto front")
+                ax.set_xlabel(xlabel)
+                ax.set_ylabel(qlabel + (" (lower is better)" if q_low else " (higher is better)"))
+                if qkey == "ppl":
+                    ax.set_yscale("log")
+                ax.set_title(f"{qlabel} against {xlabel.split(' (')[0]} — {target}" + (" (EMULATED)" if emulated else ""),
+                             fontsize=9)
+                ax.legend(fontsize=7)
+                out.append((f"Pareto front on {target}: {qlabel} against {xlabel}", _fig_png(fig)))
+    return out
+
+
+def _pareto(points, x_low_better: bool, y_low_better: bool = True):
+    """Points no other point beats on both axes."""
+    def beats(a, b):  # a at least as good as b on both axes, and not the same point
+        bx = a[0] <= b[0] if x_low_better else a[0] >= b[0]
+        by = a[1] <= b[1] if y_low_better else a[1] >= b[1]
+        return bx and by and a != b
+
+    return sorted({p for p in points if not any(beats(q, p) for q in points)})
+
+
+def _sig(x: float, up: bool) -> float:
+    """``x`` to two significant digits, rounded up (a size budget the file fits in) or down (a
+    speed floor it reaches)."""
+    if x <= 0:
+        return x
+    step = 10 ** (math.floor(math.log10(x)) - 1)
+    return round((math.ceil(x / step - 1e-9) if up else math.floor(x / step + 1e-9)) * step, 12)
+
+
+def best_under(rows, budgets_mb=None, min_tps=None) -> list[dict]:
+    """Per target, the best row by each quality measure under each size budget and above each
+    speed: tables. Budgets default to a quarter, half and all of the largest file; speeds to a
+    quarter, half and three quarters of the fastest decode."""
+    out = []
+    for target in dict.fromkeys(r["target"] for r in rows):
+        for xkey, xlabel, x_low, xval, subset in _axes(rows, target):
+            vals = [xval(r) for r in subset if xval(r)]
+            if not vals:
+                continue
+            given = budgets_mb if x_low else min_tps
+            ordered = sorted(vals)
+            limits = list(given) if given else sorted({_sig(v, x_low) for v in
+                                                       (ordered[0], ordered[len(ordered) // 2], ordered[-1])})
+            head = "under (MB)" if x_low else "above (tok/s)"
+            table = []
+            for lim in limits:
+                ok = [r for r in subset if xval(r) and (xval(r) <= lim if x_low else xval(r) >= lim)]
+                cells = [f"{lim:g}", str(len(ok))]
+                for _, _, q_low, qval in QUALITY:
+                    scored = [(qval(r), r) for r in ok if qval(r) is not None]
+                    if not scored:
+                        cells.append("–")
+                        continue
+                    v, r = (min if q_low else max)(scored, key=lambda t: t[0])
+                    cells.append(f"{_point_name(r)}: {v:.4g}")
+                table.append(cells)
+            emu = " (emulated: exactness only)" if any(r["emulated"] for r in subset) else ""
+            out.append({"title": f"Best under a {'size budget' if x_low else 'speed floor'} on {target}{emu}",
+                        "columns": [head, "files", *[q[1] for q in QUALITY]], "rows": table})
+    return out
+
+
+# The seed paper's activation SNR (Table 7: dB, other models than these), by (method, bits, sparsity).
+PAPER_SNR = {("gptq", 8, None): 43.2, ("awq", 8, None): 48.9, ("sparsegpt", None, "0.5"): 11.9,
+             ("wanda", None, "0.5"): 11.7}
+
+
+def snr_table(rows) -> dict | None:
+    """Table 7's view: activation SNR (dB) per method, beside the paper's published figure."""
+    got = [r for r in rows if _value(r, "hidden_snr_db") is not None and r.get("family") not in (None, "base")]
+    if not got:
+        return None
+    table = []
+    for r in got:
+        lab = r["labels"]
+        key = (lab.get("method_name"), lab.get("bits"), str(lab["sparsity"]) if lab.get("sparsity") else None)
+        paper = PAPER_SNR.get(key)
+        table.append([r["name"], f"{_value(r, 'hidden_snr_db'):.1f}", "–" if paper is None else f"{paper:.1f}"])
+    return {"title": "Activation SNR per method (Table 7's view; the paper's figures are the paper's, on other models)",
+            "columns": ["evaluation", "SNR dB (here)", "SNR dB (paper, other models)"], "rows": table}
+
+
+def projection_table(rows) -> dict | None:
+    """Each exported file's roofline bounds on the device profiles: projections, not measurements."""
+    seen, table, names = set(), [], []
+    for r in rows:
+        proj = (r.get("facts") or {}).get("projections") or {}
+        if not proj:
+            continue
+        names = names or list(proj)
+        key = (r["labels"].get("model"), r["labels"].get("method"), r["labels"].get("export"))
+        if key in seen:
+            continue
+        seen.add(key)
+        size = file_size(r)
+        table.append([" · ".join(str(x) for x in key if x), _fmt(size / 1e6 if size else None, "{:.1f}"),
+                      _fmt(r.get("compression_bits"), "{:.2f}"),
+                      *[_fmt((proj.get(n) or {}).get("decode_bound_tps"), "{:.1f}") for n in names]])
+    if not table:
+        return None
+    return {"title": "PROJECTED decode bound on device profiles (roofline from each file's bytes: projections, "
+                     "not measurements)",
+            "columns": ["file", "size MB", "bits/w", *[f"{n} (projected tok/s)" for n in names]], "rows": table}
+
+
+def level_table(rows) -> dict | None:
+    """What each row evaluated: family, compression level (the base's real one), codes kept."""
+    if not any(r.get("family") for r in rows):
+        return None
+    def stored(r):  # a base: what it is stored as (the embedded ones are GGUF files, dequantized)
+        src = (r.get("facts") or {}).get("source") or {}
+        return f"{src['level']} ({src['bits_per_weight']:.2f} bits/w)" if src.get("level") else "–"
+
+    return {"title": "What was evaluated: family and compression level",
+            "columns": ["evaluation", "family", "bits/w", "level", "base stored as", "file MB", "codes"],
+            "rows": [[r["name"], r.get("family") or "–", _fmt(r.get("compression_bits"), "{:.2f}"),
+                      r.get("level") or "–", stored(r), _fmt(file_size(r) / 1e6 if file_size(r) else None, "{:.1f}"),
+                      (r.get("export") or {}).get("codes") or "–"] for r in rows]}
+
+
+
+# --- findings: the seed study's claims checked against the rows ------------------------------------
+
+# metric, label, lower is better, how the subsets (languages, tasks) are combined
+FINDING_METRICS = (("kl_mean", "fidelity (mean KL to the base)", True, _mean),
+                   ("top1_agreement", "fidelity (top-1 agreement)", False, _mean),
+                   ("perplexity", "multilingual perplexity (geometric mean over corpora)", True, _gmean),
+                   ("acc", "task accuracy (mean over tasks)", False, _mean))
+
+
+def _score(row, metric, how):
+    return how(list(row["metrics"].get(metric, {}).values()))
+
+
+def findings(rows: list[dict]) -> list[str]:
+    """The seed study's claims against these rows (torch artifacts and exports alike), then what
+    size and speed say: per target, each family's files, and what sparsity gained in each format."""
+    def agg(group, metric, how):
+        return _mean([_score(r, metric, how) for r in group])
+
+    def fam(r):
+        return r.get("family") or family(r["labels"])
+
+    out = []
+    quant = [r for r in rows if fam(r) == "quantize"]
+    prune = [r for r in rows if fam(r) == "prune"]
+    if quant and prune:
+        for metric, label, lower, how in FINDING_METRICS:
+            q, p = agg(quant, metric, how), agg(prune, metric, how)
+            if q is None or p is None:
+                continue
+            holds = q < p if lower else q > p
+            out.append(f"quantization ahead of pruning on {label}: quantized {q:.4g} vs pruned {p:.4g} -> "
+                       f"{'holds' if holds else 'does NOT hold'}")
+        q4 = [r for r in quant if r["labels"].get("bits") == 4]
+        p50 = [r for r in prune if str(r["labels"].get("sparsity")) in ("0.5", "2:4")]
+        if q4 and p50:
+            parts = []
+            for metric, label, lower, how in FINDING_METRICS:
+                q, p = agg(q4, metric, how), agg(p50, metric, how)
+                if q is not None and p is not None:
+                    parts.append(f"{metric} {q:.4g} vs {p:.4g} ({'quant' if (q < p) == lower else 'prune'} ahead)")
+            if parts:
+                out.append("INT4 vs 50% / 2:4 sparsity: " + "; ".join(parts))
+    for sparsity in ("0.5", "0.75", "2:4"):  # Wanda against SparseGPT, setting by setting
+        w = [r for r in rows if r["labels"].get("method_name") == "wanda" and str(r["labels"].get("sparsity")) == sparsity]
+        g = [r for r in rows if r["labels"].get("method_name") == "sparsegpt" and str(r["labels"].get("sparsity")) == sparsity
+             and not r["labels"].get("bits")]
+        if w and g:
+            parts, wins = [], 0
+            for metric, label, lower, how in FINDING_METRICS:
+                a, b = agg(w, metric, how), agg(g, metric, how)
+                if a is not None and b is not None:
+                    wins += (a < b) == lower
+                    parts.append(f"{metric} {a:.4g} vs {b:.4g}")
+            out.append(f"Wanda vs SparseGPT at sparsity {sparsity}: " + "; ".join(parts)
+                       + f" -> Wanda ahead on {wins} of {len(parts)}")
+    methods = sorted({r["labels"].get("method") for r in rows if fam(r) != "base"} - {None})
+    if len(methods) > 2:  # a single metric misleads: the methods ranked by each metric
+        ranks = {}
+        for metric, label, lower, how in FINDING_METRICS:
+            vals = {m: agg([r for r in rows if r["labels"].get("method") == m], metric, how) for m in methods}
+            if all(v is not None for v in vals.values()):
+                ranks[metric] = sorted(methods, key=lambda m: vals[m] if lower else -vals[m])
+        for metric, order in ranks.items():
+            out.append(f"ranked by {metric}: " + " > ".join(order))
+        if len({tuple(o) for o in ranks.values()}) > 1:
+            out.append("the metrics rank the methods differently (a single metric misleads)")
+    out += _size_speed_findings(rows, fam)
+    return out
+
+
+def _size_speed_findings(rows, fam) -> list[str]:
+    out = []
+    files = [r for r in rows if r["labels"].get("format") not in (None, "none")]
+    for target in dict.fromkeys(r["target"] for r in files):
+        mine = [r for r in files if r["target"] == target]
+        parts = []
+        for f in ("base", "quantize", "prune", "both"):
+            group = [r for r in mine if fam(r) == f]
+            sizes = [file_size(r) for r in group if file_size(r)]
+            speeds = [_value(r, "decode_tps") for r in group if _value(r, "decode_tps") and not r["emulated"]]
+            if sizes:
+                parts.append(f"{f} {min(sizes) / 1e6:.3g}-{max(sizes) / 1e6:.3g} MB"
+                             + (f", {min(speeds):.3g}-{max(speeds):.3g} decode tok/s" if speeds else ""))
+        if parts:
+            out.append(f"files on {target}: " + "; ".join(parts))
+        # What sparsity gains in each export: a pruned file against the base in the same export.
+        for label in dict.fromkeys(r["labels"].get("export") for r in mine):
+            base = [r for r in mine if fam(r) == "base" and r["labels"].get("export") == label
+                    and r["labels"].get("model") is not None]
+            pruned = [r for r in mine if fam(r) == "prune" and r["labels"].get("export") == label]
+            for b in base:
+                same = [r for r in pruned if r["labels"].get("model") == b["labels"].get("model")]
+                if not same or not file_size(b):
+                    continue
+                size = _mean([file_size(r) / file_size(b) for r in same if file_size(r)])
+                bd = _value(b, "decode_tps")
+                speed = _mean([_value(r, "decode_tps") / bd for r in same if _value(r, "decode_tps")]) \
+                    if bd and not b["emulated"] else None
+                gains = (size is not None and size < 0.95) or (speed is not None and speed > 1.05)
+                out.append(f"sparsity in {label} on {target}: pruned files {size:.2f}x the base's size"
+                           + (f", {speed:.2f}x its decode speed" if speed is not None else "")
+                           + (" -> the runtime gains nothing from sparsity" if not gains else ""))
+    return out
 
 
 # --- output -------------------------------------------------------------------------------------
@@ -324,14 +617,17 @@ def _notes(left: int) -> list[str]:
             f"{'are' if left > 1 else 'is'} left out of this report."]
 
 
-def render_html(rows, title: str, left: int = 0) -> str:
+def render_html(rows, title: str, left: int = 0, **view) -> str:
     parts = [f"{_HTML_START}{_marker()}<html><head><meta charset='utf-8'>"
              f"<meta name='generator' content='{MARKER} {html.escape(__version__)}'><title>{html.escape(title)}</title>"
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>",
              f"<p>{len(rows)} evaluations.</p>" + "".join(f"<p>{html.escape(n)}</p>" for n in _notes(left))
              + "<h2>Caveats</h2><div class='caveat'><ul>"
              + "".join(f"<li>{html.escape(c)}</li>" for c in caveats(rows)) + "</ul></div>"]
-    for t in tables(rows):
+    found = findings(rows)
+    if found:
+        parts.append("<h2>Findings</h2><ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in found) + "</ul>")
+    for t in tables(rows, **view):
         parts.append(f"<h2>{html.escape(t['title'])}</h2><table><tr>"
                      + "".join(f"<th>{html.escape(c)}</th>" for c in t["columns"]) + "</tr>"
                      + "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>"
@@ -346,10 +642,13 @@ def render_html(rows, title: str, left: int = 0) -> str:
     return "".join(parts)
 
 
-def _md_parts(rows, title: str, left: int = 0) -> list[str]:
+def _md_parts(rows, title: str, left: int = 0, **view) -> list[str]:
     parts = [_marker(), f"# {title}\n", f"{len(rows)} evaluations.\n", *[f"{n}\n" for n in _notes(left)],
              "## Caveats\n", *[f"- {c}" for c in caveats(rows)], ""]
-    for t in tables(rows):
+    found = findings(rows)
+    if found:
+        parts += ["## Findings\n", *[f"- {f}" for f in found], ""]
+    for t in tables(rows, **view):
         parts += [f"## {t['title']}\n", "| " + " | ".join(t["columns"]) + " |",
                   "|" + "|".join("---" for _ in t["columns"]) + "|",
                   *["| " + " | ".join(str(v) for v in row) + " |" for row in t["rows"]], ""]
@@ -364,11 +663,11 @@ def _figdir(out_path: Path) -> Path:
 FIG_MANIFEST = "slmedge-report.json"
 
 
-def render_md(rows, title: str, out_path: Path, left: int = 0, overwrite: bool = True) -> str:
+def render_md(rows, title: str, out_path: Path, left: int = 0, overwrite: bool = True, **view) -> str:
     """The Markdown text; its plots are written (atomically, as one folder) beside ``out_path``."""
     from ..fsutil import atomic_directory
 
-    parts = _md_parts(rows, title, left)
+    parts = _md_parts(rows, title, left, **view)
     figs = plots(rows)
     if figs:
         figdir = _figdir(Path(out_path))
@@ -440,7 +739,8 @@ def _write_error(path: Path, exc: OSError) -> SlmedgeError:
     return SlmedgeError(f"cannot write {path}: {exc.strerror or type(exc).__name__}")
 
 
-def write_report(store, out: Path, fmt: str = "html", study: str | None = None, overwrite: bool = False) -> dict:
+def write_report(store, out: Path, fmt: str = "html", study: str | None = None, overwrite: bool = False,
+                 budgets_mb=None, min_tps=None) -> dict:
     """Write the report to ``out`` (atomically). An existing ``out`` is replaced only with
     ``overwrite``, and only when it is a report slmedge wrote; the same holds for a Markdown
     report's plot folder."""
@@ -455,7 +755,8 @@ def write_report(store, out: Path, fmt: str = "html", study: str | None = None, 
         _check_figdir(_figdir(out), overwrite)
     left = left_out(store, study)
     title = f"slmedge report — {study or 'all evaluations'}"
-    text = render_html(rows, title, left) if fmt == "html" else render_md(rows, title, out, left, overwrite)
+    view = {"budgets_mb": budgets_mb, "min_tps": min_tps}
+    text = render_html(rows, title, left, **view) if fmt == "html" else render_md(rows, title, out, left, overwrite, **view)
     check_output(out, overwrite, inputs=(store.path,))  # again: something may have appeared meanwhile
     try:
         write_text_atomic(out, text)

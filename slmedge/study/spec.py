@@ -15,6 +15,9 @@
     langs = ["en", "th"]
     tasks = ["arc_easy", "xcopa_th"]
     limit = 50
+    [evaluate.arm64]       # what differs on one target: here, exactness on fewer items
+    metrics = ["perplexity", "fidelity", "tasks"]
+    limit = 20
 
     [[methods]]            # one entry per compression setting; "none" is the base model; the keys
     method = "none"        # are Recipe fields (block_size, awq_clip, skip, ...) less [calibration]'s
@@ -32,6 +35,8 @@
     [[exports]]
     format = "gguf"
     type = "auto"
+    [[exports]]            # each method's natural files (DEPLOYABLE below): GGUF and ONNX with
+    format = "deployable"  # the codes kept for quantized rows; dense f16 / 8-bit for pruned ones
 
 Validated strictly before any work starts: an unknown key, a wrong type or an impossible
 combination is an error that names the file and the line.
@@ -163,8 +168,29 @@ class MethodSpec:
 @dataclass
 class ExportSpec:
     label: str
-    format: str  # none | gguf | onnx
+    format: str  # none | deployable | a registered export format (gguf, onnx, ...)
     type: str = "auto"
+
+
+# format = "deployable": each method's natural files, by its family (study/levels.py). Quantized
+# rows keep their codes where the format's grid fits them (auto), else the closest type, flagged
+# "requantized" in the store; pruned rows get what runtimes can do with them today (dense f16,
+# 8-bit): whether sparsity gains anything there is measured, not assumed; the base as shipped (f16).
+DEPLOYABLE = {
+    "base": (("gguf", "f16"), ("onnx", "fp16")),
+    "quantize": (("gguf", "auto"), ("onnx", "auto")),
+    "both": (("gguf", "auto"), ("onnx", "auto")),
+    "prune": (("gguf", "f16"), ("gguf", "q8_0"), ("onnx", "fp16"), ("onnx", "int8")),
+}
+
+
+def deployable_exports(method: "MethodSpec") -> list[ExportSpec]:
+    """The natural files of a method's rows (``format = "deployable"``)."""
+    from .levels import family
+
+    fam = family({"method_name": method.method, "bits": method.settings.get("bits"),
+                  "sparsity": method.settings.get("sparsity")})
+    return [ExportSpec(f"{fmt}-{qtype}", fmt, qtype) for fmt, qtype in DEPLOYABLE[fam]]
 
 
 @dataclass
@@ -180,6 +206,11 @@ class Study:
     exports: list[ExportSpec]
     description: str = ""
     workdir: str = ""
+    per_target: dict = field(default_factory=dict)  # target -> [evaluate.<target>]
+
+    def evaluate_for(self, target: str) -> dict:
+        """The [evaluate] settings on ``target``: [evaluate] with its [evaluate.<target>] over it."""
+        return {**self.evaluate, **self.per_target.get(target, {})}
 
 
 class _Lines:
@@ -263,13 +294,22 @@ def load_study(path) -> Study:
     calib = data.get("calibration", {})
     _check_types(calib, kinds["calibration"], file, lines, ("calibration",))
     ev = data.get("evaluate", {})
-    _check_types(ev, kinds["evaluate"], file, lines, ("evaluate",))
     targets = data.get("targets", ["cpu"])
     for t in targets:
         try:
             get_profile(t)
         except ConfigError as exc:
             _fail(file, lines, ("targets",), str(exc))
+    # [evaluate.<target>]: what differs on one target (e.g. the exactness metrics alone on an
+    # emulated one, on fewer items); the rest of [evaluate] holds there too.
+    per_target = {k: v for k, v in ev.items() if isinstance(v, dict)}
+    ev = {k: v for k, v in ev.items() if k not in per_target}
+    _check_types(ev, kinds["evaluate"], file, lines, ("evaluate",))
+    for t, table in per_target.items():
+        if t not in targets:
+            _fail(file, lines, (f"evaluate.{t}",), f"[evaluate.{t}] names no target of the study "
+                  f"(targets: {', '.join(targets)})")
+        _check_types(table, kinds["evaluate"], file, lines, (f"evaluate.{t}",))
 
     methods, labels = [], set()
     for i, m in enumerate(data["methods"]):
@@ -309,9 +349,15 @@ def load_study(path) -> Study:
         where = ("exports", i)
         _check_types(e, _EXPORT, file, lines, where)
         fmt = e.get("format", "none")
-        if fmt != "none" and fmt not in FORMATS:
-            _fail(file, lines, (*where, "format"), f"unknown format '{fmt}' (none, {', '.join(FORMATS)})")
+        if fmt not in ("none", "deployable") and fmt not in FORMATS:
+            _fail(file, lines, (*where, "format"), f"unknown format '{fmt}' (none, deployable, {', '.join(FORMATS)})")
         qtype = e.get("type", "auto")
+        if fmt == "deployable":
+            if "type" in e:
+                _fail(file, lines, (*where, "type"), "format = \"deployable\" picks each method's types itself: "
+                      "give no type (or list the exports one by one)")
+            exports.append(ExportSpec(e.get("label") or "deployable", fmt))
+            continue
         if fmt != "none":
             known = get_format(fmt)
             if qtype != "auto" and qtype not in known.types:
@@ -324,14 +370,17 @@ def load_study(path) -> Study:
         if not transport_class(prof.transport).in_process and all(x.format == "none" for x in exports):
             _fail(file, lines, ("targets",), f"target '{t}' runs exported files only: add a [[exports]] with "
                   "format = \"gguf\" or \"onnx\"")
-    try:
-        settings = EvalSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in ev.items()})
-        settings.validate()
-    except (ConfigError, TypeError) as exc:
-        _fail(file, lines, ("evaluate",), f"[evaluate]: {exc}")
+    for t in targets:
+        table = f"evaluate.{t}" if t in per_target else "evaluate"
+        try:
+            settings = EvalSettings(**{k: tuple(v) if isinstance(v, list) else v
+                                       for k, v in {**ev, **per_target.get(t, {})}.items()})
+            settings.validate()
+        except (ConfigError, TypeError) as exc:
+            _fail(file, lines, (table,), f"[{table}]: {exc}")
     return Study(name=data.get("name") or file.stem, path=file, models=list(data["models"]), seeds=list(seeds),
                  targets=list(targets), calibration=calib, evaluate=ev, methods=methods, exports=exports,
-                 description=data.get("description", ""), workdir=data.get("workdir", ""))
+                 description=data.get("description", ""), workdir=data.get("workdir", ""), per_target=per_target)
 
 
 def _check_models(models: list, file: Path, lines: _Lines) -> None:
