@@ -91,7 +91,7 @@ def test_per_target_settings_are_checked_with_the_line(tmp_path, tiny_models):
     good = _study(tmp_path, tiny_models("llama"))
     bad = tmp_path / "bad.toml"
     bad.write_text(good.read_text().replace("[evaluate.arm64]", "[evaluate.mars]"))
-    with pytest.raises(StudyError, match=r"line \d+: \[evaluate.mars\] names no target"):
+    with pytest.raises(StudyError, match=r"line \d+: \[evaluate.mars\] names no target: unknown target .mars."):
         load_study(bad)
     bad.write_text(good.read_text().replace('metrics = ["perplexity", "fidelity"]', 'metrics = ["perplexity"]\ncolour = 1'))
     with pytest.raises(StudyError, match="unknown key 'colour'"):
