@@ -11,8 +11,9 @@ On SmolLM2-135M (the embedded default), GPTQ W4 g32 sym and AWQ W4 g32 asym arti
 - the GGUF export of the same codes (GPTQ -> Q4_0, AWQ -> Q4_1, exact) in llama.cpp.
 
 Each runtime's ``timed_generate``: a prompt of ``--prompt`` tokens, ``--gen`` greedy tokens; TTFT,
-prefill and decode tokens/s, median of ``--repeats`` runs after a warm-up. Everything runs one
-after the other with the same thread count (never two timed things at once). Perplexity of the
+prefill and decode tokens/s, median of ``--repeats`` runs after a warm-up, the three runtimes
+taking turns run by run. Everything runs one after the other with the same thread count (never
+two timed things at once). Perplexity of the
 genai folder in both ONNX runtimes is printed too (the same file: they should agree).
 
     .venv/bin/python scripts/bench_genai.py
@@ -43,12 +44,21 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def timings(rt, prompt: list[int], n_gen: int, repeats: int) -> dict:
-    rt.timed_generate(prompt, n_gen)  # warm-up
-    runs = [rt.timed_generate(prompt, n_gen) for _ in range(repeats)]
-    med = lambda key: statistics.median(getattr(r, key) for r in runs)  # noqa: E731
-    return {"ttft_ms": 1000 * med("ttft_s"), "prefill_tps": med("prefill_tps"), "decode_tps": med("decode_tps"),
-            "decode_tps_runs": [round(r.decode_tps, 1) for r in runs]}
+def timings(rts: dict, prompt: list[int], n_gen: int, repeats: int) -> dict:
+    """Each runtime's timings, the runtimes taking turns run by run (a load that comes and goes on
+    a shared machine then falls on all of them alike), after one warm-up each."""
+    for rt in rts.values():
+        rt.timed_generate(prompt, n_gen)
+    runs: dict[str, list] = {label: [] for label in rts}
+    for _ in range(repeats):
+        for label, rt in rts.items():
+            runs[label].append(rt.timed_generate(prompt, n_gen))
+    out = {}
+    for label, rs in runs.items():
+        med = lambda key: statistics.median(getattr(r, key) for r in rs)  # noqa: E731
+        out[label] = {"ttft_ms": 1000 * med("ttft_s"), "prefill_tps": med("prefill_tps"),
+                      "decode_tps": med("decode_tps"), "decode_tps_runs": [round(r.decode_tps, 1) for r in rs]}
+    return out
 
 
 def perplexity(rt, windows) -> float:
@@ -110,17 +120,17 @@ def main() -> int:
         ids = tok(text[:20000])["input_ids"]
         prompt = ids[: args.prompt]
         windows = [w.tolist() for w in windows_of(tok, text, 512, args.windows)[0]]
-        row = {}
-        for label, open_rt in (("onnxruntime-genai", lambda: GenaiRuntime(genai_dir, args.threads, n_ctx=2048)),
-                               ("onnxruntime (slmedge)", lambda: OnnxRuntime(genai_dir / "model.onnx", args.threads)),
-                               (f"llama.cpp {GGUF_TYPE[name]}", lambda: LlamaCppRuntime(gguf, args.threads, n_ctx=2048))):
-            log(f"{name}: timing {label}")
-            rt = open_rt()
-            try:
-                row[label] = timings(rt, prompt, args.gen, args.repeats)
-                if label.startswith("onnxruntime"):
+        rts = {"onnxruntime-genai": GenaiRuntime(genai_dir, args.threads, n_ctx=2048),
+               "onnxruntime (slmedge)": OnnxRuntime(genai_dir / "model.onnx", args.threads),
+               f"llama.cpp {GGUF_TYPE[name]}": LlamaCppRuntime(gguf, args.threads, n_ctx=2048)}
+        try:
+            log(f"{name}: timing {', '.join(rts)} (taking turns)")
+            row = timings(rts, prompt, args.gen, args.repeats)
+            for label, rt in rts.items():
+                if label.startswith("onnxruntime"):  # the same model.onnx: the same perplexity
                     row[label]["perplexity"] = perplexity(rt, windows)
-            finally:
+        finally:
+            for rt in rts.values():
                 rt.close()
         results["runs"][name] = row
 
