@@ -58,6 +58,12 @@ CONFIGS = {
 DEFAULT = "rtn,gptq,awq,magnitude,wanda,sparsegpt"
 
 
+def peer_python() -> Path:
+    """The Python of llm-compressor's virtualenv, created (idempotently) by scripts/bench/llmc_env.sh."""
+    subprocess.run(["bash", str(ROOT / "scripts" / "bench" / "llmc_env.sh")], check=True)
+    return ROOT / os.environ.get("LLMC_VENV", ".bench/llmc-venv") / "bin" / "python"
+
+
 def eval_ppl(model, windows: torch.Tensor) -> float:
     nll = torch.cat([token_nll(model, w) for w in windows]).double()
     return math.exp(float(nll.mean()))
@@ -78,10 +84,7 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown methods: {unknown}")
 
-    peer_py = None
-    if not args.no_peer:
-        subprocess.run(["bash", str(ROOT / "scripts" / "bench" / "llmc_env.sh")], check=True)
-        peer_py = ROOT / os.environ.get("LLMC_VENV", ".bench/llmc-venv") / "bin" / "python"
+    peer_py = None if args.no_peer else peer_python()
 
     base = load(None)
     tok = base.tokenizer

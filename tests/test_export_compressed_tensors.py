@@ -40,9 +40,9 @@ def transformers_model(path):
     """The export as a transformers user loads it: decompressed on the CPU, fp32."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                 quantization_config=CompressedTensorsConfig(run_compressed=False))
-    return model.eval()
+    quantized = "quantization_config" in json.loads((path / "config.json").read_text())  # else a plain checkpoint
+    extra = {"quantization_config": CompressedTensorsConfig(run_compressed=False)} if quantized else {}
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **extra).eval()
 
 
 IDS = torch.tensor([[1, 5, 17, 99, 3, 250, 42, 8, 300, 7, 64, 11]])
@@ -173,9 +173,11 @@ def test_pruned_artifact_round_trips_its_mask(artifacts, tmp_path):
     art = artifacts("qwen2", "wanda", bits=None, sparsity=0.5)
     out = tmp_path / "ct"
     report = export(art, out)
-    qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert not qc.get("config_groups")
-    sparsity = qc["sparsity_config"]
+    # A plain dense checkpoint, as llm-compressor writes sparse-only models (transformers 5 refuses a
+    # quantization_config without config groups); the sparsity is in slmedge's manifest.
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert report["type"] == "dense+sparse"
+    sparsity = report["sparsity"]
     layers = Artifact.open(art).layers()
     assert sparsity["format"] == "dense" and sparsity["sparsity_structure"] == "unstructured"
     assert sorted(sparsity["targets"]) == sorted(layers) and abs(sparsity["global_sparsity"] - 0.5) < 0.02
@@ -184,6 +186,8 @@ def test_pruned_artifact_round_trips_its_mask(artifacts, tmp_path):
         w = theirs.get_submodule(name).weight
         assert torch.equal(w != 0, res.mask), name  # the kept weights of a random model are never 0
     assert all(r["mask_kept"] for r in report["layers"].values())
+    r = runner.invoke(app, ["inspect", str(out)])  # still found as this format, by its manifest
+    assert r.exit_code == 0 and "compressed-tensors" in r.output and "dense checkpoint" in r.output, r.output
 
 
 def test_pruned_and_quantized_keeps_codes_and_zeros(artifacts, tmp_path):

@@ -11,7 +11,11 @@ fp32 for the artifact's weights). The config is the library's ``QuantizationConf
 sparsity config), written by its ``ModelCompressor``.
 
 Pruned linears are written dense, their pruned weights exactly 0, the sparsity recorded in the
-config (``sparsity_config``, format ``dense``: what llm-compressor writes for sparse models).
+config (``sparsity_config``, format ``dense``) beside quantized linears. A pruned-only artifact is
+a plain dense checkpoint with no ``quantization_config`` (its sparsity in slmedge's manifest):
+what llm-compressor writes for sparse-only models, and the only form both readers load
+(transformers 5 with compressed-tensors 0.19 refuses a ``quantization_config`` without config
+groups: ``'NoneType' object has no attribute 'config_groups'``).
 compressed-tensors' ``sparse-bitmask`` cannot be used: transformers builds the model on the meta
 device and compresses it there before loading, and a bitmask's kept values have no size
 without the data (``NotImplementedError: Cannot copy out of meta tensor``), so transformers 4.57
@@ -374,9 +378,12 @@ def load_checkpoint(path: Path, dtype=None):
     import torch
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
+    config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    decompress = {"quantization_config": CompressedTensorsConfig(run_compressed=False)} \
+        if config.get("quantization_config") else {}  # a pruned-only export is a plain checkpoint
     with _quiet():
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32, device_map="cpu",
-                                                     quantization_config=CompressedTensorsConfig(run_compressed=False))
+                                                     **decompress)
     return model.eval()
 
 
@@ -417,16 +424,21 @@ def verify_against_artifact(out: Path, src: ExportSource, plan: dict, probe: str
 # --- reading an export back -------------------------------------------------------------------
 
 
+MANIFEST_FORMAT = "slmedge-compressed-tensors-export"
+
+
 def is_compressed_tensors_folder(path: Path) -> bool:
-    """A folder whose config.json says ``quant_method: compressed-tensors``."""
+    """A folder whose config.json says ``quant_method: compressed-tensors``, or one slmedge exported
+    in this format (a pruned-only model's has no quantization config)."""
     cfg = Path(path) / "config.json"
     if not Path(path).is_dir() or not cfg.is_file():
         return False
     try:
         qc = json.loads(cfg.read_text(encoding="utf-8")).get("quantization_config") or {}
-    except (OSError, ValueError):
+        ours = (read_export_manifest(path) or {}).get("format") == MANIFEST_FORMAT
+    except (OSError, ValueError, AttributeError):
         return False
-    return isinstance(qc, dict) and qc.get("quant_method") == FORMAT
+    return ours or (isinstance(qc, dict) and qc.get("quant_method") == FORMAT)
 
 
 def _folder(path) -> Path:
@@ -503,12 +515,15 @@ def inspect_compressed_tensors(path: Path) -> dict:
 def ct_rows(info: dict) -> list[tuple[str, str]]:
     """`slmedge inspect`'s rows for a compressed-tensors folder."""
     c = info["compression"]
+
     def grid(g: dict) -> str:
         size = f" {g['group_size']}" if g.get("group_size") else ""
         order = f", actorder {g['actorder']}" if g["actorder"] else ""
         return f"W{g['bits']} {g['strategy']}{size} {'sym' if g['symmetric'] else 'asym'}{order}"
 
     grids = "; ".join(f"{n}: {grid(g)}" for n, g in c["config_groups"].items())
+    if c["format"] is None:
+        return [("compression", "none: a dense checkpoint, every weight as it is (pruned weights are exact zeros)")]
     rows = [("compression", f"{c['format']} (compressed-tensors {c['version']}, {c['status']})"),
             ("config groups", grids or "none"), ("ignored", ", ".join(c["ignore"])[:300] or "none")]
     s = c.get("sparsity")
@@ -600,12 +615,13 @@ def export_compressed_tensors(source, out_dir, ctype: str = "auto", exact: bool 
     with atomic_directory(out_dir, overwrite=overwrite, manifest=EXPORT_MANIFEST) as tmp:
         _copy_beside(src.path, tmp)
         report_layers = _write_tensors(src, plan, qconfig, tmp)
-        ModelCompressor(quantization_config=qconfig, sparsity_config=sconfig).update_config(str(tmp))
+        if qconfig is not None:  # a pruned-only model: a plain checkpoint (see the module's docstring)
+            ModelCompressor(quantization_config=qconfig, sparsity_config=sconfig).update_config(str(tmp))
         verification = verify_against_artifact(tmp, src, plan, probe) if verify else None
-        kinds = [k for k, present in (("pack-quantized", qconfig is not None), ("sparse", sconfig is not None))
-                 if present]
+        kinds = [k for k, present in (("pack-quantized", qconfig is not None), ("dense", qconfig is None),
+                                      ("sparse", sconfig is not None)) if present]
         manifest = write_export_manifest(tmp, {
-            "format": "slmedge-compressed-tensors-export",
+            "format": MANIFEST_FORMAT,
             "source": str(src.path),
             "source_kind": "artifact",
             "source_manifest_sha256": sha256_file(manifest_path(src.path)),
@@ -615,6 +631,7 @@ def export_compressed_tensors(source, out_dir, ctype: str = "auto", exact: bool 
             "codes_kept": sum(1 for r in report_layers.values() if r.get("codes_kept")),
             "layers": report_layers,
             "ignore": list(qconfig.ignore) if qconfig is not None else linears,
+            "sparsity": sconfig.model_dump() if sconfig is not None else None,
             "verification": verification,
             "notes": notes,
         }, started)
