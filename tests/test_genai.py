@@ -241,3 +241,26 @@ def test_ssh_target_gets_the_folder_and_scores_like_local(og, genai_dirs, sshd, 
     _same_scores(remote, local, 1e-6)
     copied = {p.name for p in work.rglob("*") if p.is_file()}
     assert {"genai_config.json", "model.onnx"} <= copied  # what genai opens travelled with the model
+
+
+def test_an_arm64_environment_that_passed_gets_only_the_missing_wheels(tmp_path):
+    """The incremental path of `slmedge targets setup arm64`: a record that passed its check and
+    lacks only wheels (a runtime registered since) gets those; anything else is a full setup."""
+    from slmedge.targets.emulation import PYTHON, _wanted, _wheels_to_add
+
+    (tmp_path / "sysroot" / "usr" / "bin").mkdir(parents=True)
+    (tmp_path / "sysroot" / "usr" / "bin" / PYTHON).touch()
+    want = _wanted()
+    old = {k: v for k, v in want.items() if k != "onnxruntime-genai"}
+    versions = {"machine": "aarch64", "onnxruntime": "1", "llama.cpp": "1"}
+    record = {"wanted": old, "versions": versions, "runtimes": ["onnxruntime", "llama.cpp"]}
+    assert _wheels_to_add(tmp_path, record) == ["onnxruntime-genai"]
+    assert _wheels_to_add(tmp_path, {**record, "runtimes": None}) == ["onnxruntime-genai"]  # from its wanted
+    assert _wheels_to_add(tmp_path, {**record, "wanted": want, "versions": {**versions,
+                                                                           "onnxruntime-genai": "1"}}) == []
+    assert _wheels_to_add(tmp_path, {**record, "wanted": {**old, "llama-cpp-python": "0.0.1"}}) is None  # a rebuild
+    assert _wheels_to_add(tmp_path, {**record, "wanted": {**old, "setup_version": -1}}) is None
+    assert _wheels_to_add(tmp_path, {**record, "versions": {**versions, "machine": "x86_64"}}) is None  # failed
+    assert _wheels_to_add(tmp_path, None) is None
+    (tmp_path / "sysroot" / "usr" / "bin" / PYTHON).unlink()
+    assert _wheels_to_add(tmp_path, record) is None
