@@ -324,7 +324,7 @@ def test_arm64_emulated_agrees_with_native_x86(runtime, arm64_env, exports, tmp_
 # --- arm64 setup: the record is written only after the runner passed its check (no qemu needed) ----
 
 ARM_VERSIONS = {"python": "3.11.2", "machine": "aarch64", "system": "Linux", "numpy": "2.0.0",
-                "onnxruntime": "1.20.0", "llama.cpp": "0.3.0"}
+                "onnxruntime": "1.20.0", "llama.cpp": "0.3.0", "onnxruntime-genai": "0.18.0"}
 
 
 @pytest.fixture
@@ -380,12 +380,12 @@ def test_arm64_setup_with_a_passing_check_writes_the_record(fake_setup):
     fake_setup["versions"] = dict(ARM_VERSIONS)
     m = setup_arm64(get_profile("arm64"), log=lambda msg: None)
     record = json.loads(fake_setup["env"].read_text())
-    assert record["versions"] == ARM_VERSIONS == m["versions"] and record["runtimes"] == ["onnxruntime", "llama.cpp"]
+    assert record["versions"] == ARM_VERSIONS == m["versions"] and record["runtimes"] == ["onnxruntime", "llama.cpp", "onnxruntime-genai"]
     assert up_to_date()
     # without llama.cpp the check asks for onnxruntime only (and --if-needed still builds it all)
     fake_setup["versions"] = {**ARM_VERSIONS, "llama.cpp": None}
     m = setup_arm64(get_profile("arm64"), log=lambda msg: None, llama_cpp=False)
-    assert m["runtimes"] == ["onnxruntime"] and fake_setup["env"].is_file() and not up_to_date()
+    assert m["runtimes"] == ["onnxruntime", "onnxruntime-genai"] and fake_setup["env"].is_file() and not up_to_date()
 
 
 def test_a_record_without_a_runtime_version_is_not_up_to_date(fake_setup):

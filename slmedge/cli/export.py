@@ -48,7 +48,8 @@ def _print_export(report: dict, fmt) -> None:
 
 def export_command(
     source: Optional[str] = typer.Argument(None, help="An slmedge artifact, HF folder, .gguf file, Hub id or embedded name (default smollm2-135m)."),
-    fmt: str = typer.Option("gguf", "--format", "-f", help="gguf (llama.cpp), onnx (onnxruntime) or compressed-tensors (transformers, vLLM: an artifact's codes, pack-quantized)."),
+    fmt: str = typer.Option("gguf", "--format", "-f", help="gguf (llama.cpp), onnx (onnxruntime), onnxruntime-genai (an ONNX folder with genai_config.json) "
+                             "or compressed-tensors (transformers, vLLM: an artifact's codes, pack-quantized)."),
     qtype: str = typer.Option("auto", "--type", "-t", help="GGUF: auto, f32, f16, q8_0, q4_0, q4_1 (codes kept), q5_0, q5_1, q2_k, q3_k_m, q4_k_s, q4_k_m, q5_k_m, q6_k (llama.cpp's quantizer). ONNX: auto, fp32, fp16, int4, int8, int8-dynamic. auto: the type that keeps the artifact's codes."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="GGUF file or ONNX directory (default slmedge-out/<source>-<type>)."),
     exact: bool = typer.Option(False, "--exact", help="Fail instead of re-quantizing weights whose codes the type cannot hold."),
@@ -71,6 +72,7 @@ def export_command(
       slmedge export smollm2-135m --format gguf --type q4_k_m -o base-q4km.gguf
       slmedge export out/gptq --format gguf --type q4_1 --exact -o m.gguf
       slmedge export out/gptq --format compressed-tensors -o ct_dir/       # for transformers / vLLM
+    slmedge export out/awq --format onnxruntime-genai -o genai_dir/    # for onnxruntime-genai apps
     """
     from ..export.api import export
     from ..export.formats import get_format

@@ -162,5 +162,6 @@ def setup_command(name: str = typer.Argument(..., help="An emulated target (arm6
         m = transport.setup(log=lambda msg: console.print(f"setup: {msg}", markup=False, highlight=False),
                             rebuild=rebuild, llama_cpp=not no_llama_cpp)
     v = m.get("versions", {})
+    engines = ", ".join(f"{name} {v.get(name)}" for name in m.get("runtimes", ("onnxruntime", "llama.cpp")))
     console.print(f"ready: Python {v.get('python')} on {v.get('machine')} (emulated {m['qemu_cpu']}), "
-                  f"onnxruntime {v.get('onnxruntime')}, llama.cpp {v.get('llama.cpp')} — {m['seconds']:.0f} s")
+                  f"{engines} — {m['seconds']:.0f} s")
