@@ -161,3 +161,17 @@ def require_arm64_env() -> dict:
 @pytest.fixture
 def arm64_env() -> dict:
     return require_arm64_env()
+
+
+def study_data_files(folder: Path) -> tuple[Path, Path]:
+    """A tiny corpus and a two-item task file for the study tests' short evaluations."""
+    import json
+
+    corpus = folder / "c.txt"
+    corpus.write_text("The quick brown fox jumps over the lazy dog while the cat sleeps in the sun. " * 12,
+                      encoding="utf-8")
+    tasks = folder / "mini.jsonl"
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"query": "The sky is", "choices": ["blue", "green grass", "a"], "gold": 0},
+        {"query": "Two and two make", "choices": ["four", "seven", "many fish"], "gold": 0}]), encoding="utf-8")
+    return corpus, tasks

@@ -1,6 +1,5 @@
 """Studies: strict study files, a small grid on both engines, kill -9 and resume, the report."""
 
-import json
 import os
 import shutil
 import signal
@@ -11,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import missing_prerequisite, one_line_error, require_import, safetensors_full_disk
+from conftest import missing_prerequisite, one_line_error, require_import, safetensors_full_disk, study_data_files
 from typer.testing import CliRunner
 
 from slmedge.cli import app
@@ -21,16 +20,10 @@ from slmedge.study.report import load_rows
 from slmedge.study.spec import StudyError, load_study
 
 runner = CliRunner()
-TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun. " * 12
 
 
 def _study(tmp_path, model: Path, name="tiny", methods=None, exports=('"none"', '"gguf"')) -> Path:
-    corpus = tmp_path / "c.txt"
-    corpus.write_text(TEXT, encoding="utf-8")
-    tasks = tmp_path / "mini.jsonl"
-    tasks.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"query": "The sky is", "choices": ["blue", "green grass", "a"], "gold": 0},
-        {"query": "Two and two make", "choices": ["four", "seven", "many fish"], "gold": 0}]), encoding="utf-8")
+    corpus, tasks = study_data_files(tmp_path)
     methods = methods or ['method = "none"', 'label = "rtn-w4"\nmethod = "rtn"\nbits = 4\ngroup_size = 32',
                           'label = "magnitude-50"\nmethod = "magnitude"\nsparsity = "0.5"']
     text = f'''name = "{name}"

@@ -7,7 +7,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from conftest import one_line_error, require_arm64_env
+from conftest import one_line_error, require_arm64_env, study_data_files
 from typer.testing import CliRunner
 
 from slmedge.cli import app
@@ -18,16 +18,10 @@ from slmedge.study.report import load_rows, tables
 from slmedge.study.spec import StudyError, load_study
 
 runner = CliRunner()
-TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun. " * 12
 
 
 def _study(tmp_path, model: Path, targets=("cpu", "arm64"), extra="") -> Path:
-    corpus = tmp_path / "c.txt"
-    corpus.write_text(TEXT, encoding="utf-8")
-    tasks = tmp_path / "mini.jsonl"
-    tasks.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"query": "The sky is", "choices": ["blue", "green grass", "a"], "gold": 0},
-        {"query": "Two and two make", "choices": ["four", "seven", "many fish"], "gold": 0}]), encoding="utf-8")
+    corpus, tasks = study_data_files(tmp_path)
     text = f'''name = "deploy"
 models = ["{model}"]
 targets = {json.dumps(list(targets))}
