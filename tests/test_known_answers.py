@@ -9,6 +9,7 @@ import pytest
 from slmedge.errors import SlmedgeError
 from slmedge.evaluate.fidelity import fidelity, task_flips
 from slmedge.evaluate.tasks import ItemScore, summarize
+from slmedge.runtimes import Runtime
 
 LN2, LN3 = math.log(2), math.log(3)
 
@@ -32,6 +33,8 @@ class _Runtime:
 
     def hidden_states(self, ids):
         return None if self._hidden is None else np.asarray(self._hidden, dtype=np.float64)
+
+    sequence_outputs = Runtime.sequence_outputs  # the interface's own: logits and hidden states per window
 
 
 # Three scored positions (a window of 4 tokens; the last row's logits predict nothing), V = 3.

@@ -7,6 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -207,3 +208,132 @@ def test_peak_memory_is_the_outside_tensors_and_one_block_not_the_model(tmp_path
     assert m["shape"] == [1, 8, 8192]
     assert grew < bound, (f"peak grew {grew / 2**20:.0f} MiB over the imports; bound {bound / 2**20:.0f} MiB "
                           f"(the model is {full / 2**20:.0f} MiB in fp32)")
+
+
+# --- torch evaluation on the streamed model -------------------------------------------------------------
+
+
+TEXT = ("Small language models run on phones, boards and laptops. Die Katze schläft auf dem Sofa. " * 30
+        + "El perro corre por el parque con una pelota roja. 1, 2, 3, 4, 5 and then 6. " * 30)
+
+
+def windows(n=5, seq=40, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    return [[int(t) for t in torch.randint(3, VOCAB, (seq,), generator=g)] for _ in range(n)]
+
+
+def loads_of(runtime):
+    seen = []
+    runtime.streamed.on_block = lambda i, model: seen.append(i)
+    return seen
+
+
+def same_scores(a, b):
+    return len(a) == len(b) and all(np.array_equal(x, y) and gx == gy for (x, gx), (y, gy) in zip(a, b))
+
+
+@pytest.mark.parametrize("model_type", TINY_TYPES)
+def test_torch_runtime_streamed_scores_as_the_whole_model_bit_for_bit(model_type, tiny_models):
+    """Perplexity windows, fidelity's logits and hidden states, task continuations: the streamed runtime's are
+    the whole model's, bit for bit; many windows go through one pass, so each block is read once per pass."""
+    from slmedge.runtimes import TorchRuntime
+
+    src = tiny_models(model_type)
+    whole = TorchRuntime(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32))
+    streamed = TorchRuntime.open_streamed(src)
+    blocks = list(range(len(streamed.streamed.blocks)))
+    loads = loads_of(streamed)
+    wins = windows()
+    # what the whole model gave before windows were batched: one padded forward per window
+    before = [TorchRuntime.continuation_scores(whole, w[:1], [w[1:]])[0] for w in wins]
+    assert same_scores(list(whole.sequence_scores(wins)), before)
+    assert same_scores(list(streamed.sequence_scores(wins)), before)
+    assert loads == blocks  # five windows, one pass
+    loads.clear()
+    streamed.batch_tokens = 2 * 39  # two windows a pass: three passes
+    assert same_scores(list(streamed.sequence_scores(wins)), before)
+    assert loads == blocks * 3
+    with torch.no_grad():
+        ref = [whole.model(torch.tensor([w]), use_cache=False, output_hidden_states=True) for w in wins]
+    for rt in (whole, streamed):
+        for r, (logits, hidden) in zip(ref, rt.sequence_outputs(wins, hidden=True)):
+            assert np.array_equal(logits, r.logits[0].numpy()) and np.array_equal(hidden, r.hidden_states[-1][0].numpy())
+        assert np.array_equal(rt.logits(wins[0]), ref[0].logits[0].numpy())
+    groups = [(w[:20], [w[20:25], w[25:27], w[30:31]]) for w in wins] + [(wins[0][:1], [wins[1][:6]])]
+    assert all(same_scores(a, b) for a, b in zip(streamed.score_groups(groups), whole.score_groups(groups)))
+    assert streamed.streamed.materialized_blocks() == []
+    streamed.close()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "phi3"])
+def test_evaluation_of_a_compact_artifact_streamed_equals_it_loaded_whole(model_type, artifacts, monkeypatch):
+    """Perplexity, fidelity and a task of a version-2 artifact (its blocks rebuilt from the codes one at a time)
+    in the streamed torch runtime: the numbers of the whole loaded model, exactly."""
+    from slmedge.evaluate.fidelity import fidelity
+    from slmedge.evaluate.perplexity import runtime_perplexity
+    from slmedge.evaluate.subject import open_subject
+    from slmedge.evaluate.tasks import run_task
+
+    art = artifacts(model_type, "rtn", bits=4)
+    assert Artifact.open(art).version == 2
+    out = {}
+    for streamed in (False, True):
+        sub = open_subject(str(art), streamed=streamed)
+        assert sub.streamed is streamed and (sub.runtime.streamed is not None) is streamed
+        ppl, _ = runtime_perplexity(sub.runtime, sub.encoder, TEXT, seqlen=48, max_windows=4)
+        ref = open_subject(str(art), streamed=streamed)
+        fid = fidelity((sub.runtime, sub.encoder), (ref.runtime, ref.encoder), TEXT, seqlen=48, max_windows=2,
+                       reference_id=f"streamed={streamed}")  # not the other's cached reference
+        summary, scores = run_task(sub.runtime, sub.encoder, "arc_easy", limit=6)
+        out[streamed] = (ppl.to_dict(), {k: v for k, v in fid.items() if k != "reference_cached"}, summary,
+                         [s.loglikelihoods for s in scores], sub.params, sub.identity)
+        sub.close()
+        ref.close()
+    assert out[True] == out[False]
+
+
+def test_whether_to_stream(tiny_models, monkeypatch):
+    """Streamed when the whole fp32 model would not fit comfortably in the memory available, or when asked;
+    never on a GPU, and never a folder without safetensors weights."""
+    from slmedge.errors import ConfigError
+    from slmedge.evaluate import subject
+    from slmedge.evaluate.subject import STREAM_ENV, WHOLE_PEAK_FACTOR, open_subject, torch_streamed
+    from slmedge.models.streamed import fp32_bytes
+
+    src = tiny_models("qwen2")
+    need = WHOLE_PEAK_FACTOR * fp32_bytes(src)
+    whole = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    assert fp32_bytes(src) == 4 * sum(p.numel() for p in whole.parameters())  # the tied head counted once
+    monkeypatch.delenv(STREAM_ENV, raising=False)
+    monkeypatch.setattr(subject, "memory_available", lambda: need - 1)
+    assert torch_streamed(src) and not torch_streamed(src, device="cuda") and not torch_streamed(src, streamed=False)
+    assert open_subject(src).streamed
+    monkeypatch.setattr(subject, "memory_available", lambda: need)
+    assert not torch_streamed(src) and torch_streamed(src, streamed=True)
+    monkeypatch.setenv(STREAM_ENV, "always")
+    assert torch_streamed(src)
+    monkeypatch.setenv(STREAM_ENV, "never")
+    monkeypatch.setattr(subject, "memory_available", lambda: 0)
+    assert not torch_streamed(src) and not open_subject(src).streamed
+    monkeypatch.setenv(STREAM_ENV, "sometimes")
+    with pytest.raises(ConfigError, match=STREAM_ENV):
+        torch_streamed(src)
+    assert not torch_streamed(Path(src).parent)  # no config.json, no weights
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_torch_log_sum_exp_in_blocks_of_rows_is_that_of_the_whole_matrix(threads):
+    """The torch runtime's token scores take each row's log-sum-exp in blocks of rows (a float64 copy of a
+    block, not of a 512 x 151,936 window): the very values of one call over the whole matrix."""
+    from slmedge.runtimes.base import _logsumexp_rows
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(5)
+        for rows in (0, 1, 63, 64, 129, 300):
+            x = (torch.randn(rows, 4099, generator=g) * 4).numpy()
+            want = torch.logsumexp(torch.from_numpy(x).double(), -1).numpy()
+            assert np.array_equal(_logsumexp_rows(x, in_torch=True), want), rows
+    finally:
+        torch.set_num_threads(old)

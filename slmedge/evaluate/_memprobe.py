@@ -1,6 +1,6 @@
 """Child process of the memory metric: load a model in a runtime, run one prefill, print peak RSS.
 
-    python -m slmedge.evaluate._memprobe SPEC RUNTIME THREADS PROMPT_TOKENS
+    python -m slmedge.evaluate._memprobe SPEC RUNTIME THREADS PROMPT_TOKENS [streamed|whole]
 
 llama.cpp and onnxruntime files are opened without importing torch, so the peak is what a
 deployment of that runtime would hold (plus Python and numpy).
@@ -21,7 +21,8 @@ def main() -> None:
     else:
         from .subject import open_subject
 
-        rt = open_subject(spec, runtime, threads).runtime
+        mode = sys.argv[5] if len(sys.argv) > 5 else None  # torch: streamed or whole, as the evaluation ran it
+        rt = open_subject(spec, runtime, threads, streamed=None if mode is None else mode == "streamed").runtime
     print(json.dumps(probe(rt, n, before)))
 
 

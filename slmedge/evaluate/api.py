@@ -163,6 +163,12 @@ class Evaluation:
             "settings": asdict(settings), "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "metrics": {}, "notes": [],
         }
+        if self.sub.streamed:
+            self.results["notes"].append(
+                "torch ran the model streamed, one decoder block in fp32 in memory at a time (SLMEDGE_TORCH_STREAM: "
+                "auto, the default, streams a model whose whole fp32 weights would not fit comfortably; always; never): "
+                "the same scores, but each forward pass reads every block again, so its latency is not that of the "
+                "model held in memory")
         if self.emulated:
             self.results["notes"].append(f"target {self.profile.name} is emulated (qemu): its timings are not device "
                                          "latency; the roofline figures are projections")
@@ -357,7 +363,7 @@ class Evaluation:
                 probe = transport.memprobe(sub.runtime.name, sub.runtime.remote_path, sub.runtime.threads)
             else:
                 spec = str(sub.file) if get_runtime(sub.runtime.name).runs_files else sub.spec
-                probe = peak_rss_child(spec, sub.runtime.name, sub.runtime.threads)
+                probe = peak_rss_child(spec, sub.runtime.name, sub.runtime.threads, streamed=sub.streamed)
             out["peak_rss_bytes"] = probe["peak_rss_bytes"]
         self.results["metrics"]["memory"] = out
         self._row("file_bytes", size, "", None, "bytes")

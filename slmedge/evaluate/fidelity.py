@@ -73,9 +73,10 @@ def reference_outputs(runtime, windows: list[list[int]], reference_id: str, with
         except (OSError, ValueError, KeyError):
             path.unlink(missing_ok=True)
     lps, hid = [], []
-    for i, w in enumerate(windows):
-        lps.append(log_softmax_np(runtime.logits(w))[:-1].astype(np.float32))
-        hid.append(runtime.hidden_states(w) if with_hidden else None)
+    # One pass gives a window's logits and hidden states; windows go in together (see sequence_outputs).
+    for i, (logits, h) in enumerate(runtime.sequence_outputs(windows, with_hidden)):
+        lps.append(log_softmax_np(logits)[:-1].astype(np.float32))
+        hid.append(h)
         if progress:
             progress("reference", i + 1, len(windows))
     arrays = {f"lp{i}": lp for i, lp in enumerate(lps)}
@@ -102,8 +103,8 @@ def fidelity(candidate, reference, text: str, seqlen: int = 512, max_windows: in
     ref_lps, ref_hid, cached = reference_outputs(ref_rt, windows, reference_id or ref_rt.name, with_hidden, progress)
     kls, top1, dp2 = [], [], []
     sig = noise = 0.0
-    for i, w in enumerate(windows):
-        lq = log_softmax_np(cand_rt.logits(w))[:-1]
+    for i, (w, (logits, h)) in enumerate(zip(windows, cand_rt.sequence_outputs(windows, with_hidden))):
+        lq = log_softmax_np(logits)[:-1]
         lp = ref_lps[i].astype(np.float64)
         if lp.shape[1] != lq.shape[1]:
             n = min(lp.shape[1], lq.shape[1])  # padded vocabularies: compare the shared part
@@ -115,7 +116,6 @@ def fidelity(candidate, reference, text: str, seqlen: int = 512, max_windows: in
         rows = np.arange(len(t))
         dp2.append((np.exp(lq[rows, t]) - p[rows, t]) ** 2)
         if with_hidden:
-            h = cand_rt.hidden_states(w)
             sig += float((ref_hid[i].astype(np.float64) ** 2).sum())
             noise += float(((ref_hid[i].astype(np.float64) - h) ** 2).sum())
         if progress:

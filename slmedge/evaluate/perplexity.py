@@ -131,12 +131,13 @@ def runtime_perplexity(runtime, encoder, text: str, seqlen: int = 512, stride: i
     ids, ends = _encode_enough(encoder, text, seqlen, stride, max_windows)
     wins = rolling_windows(len(ids), seqlen, stride, max_windows)
     nlls, total_bytes, kept = [], 0, []
-    for i, (start, stop, first) in enumerate(wins):
-        window = ids[start:stop]
+    windows = [ids[start:stop] for start, stop, _ in wins]
+    # Each next token's log-probability (the runtime reduces the logits; a remote target sends back
+    # one number per token, not a vocabulary-wide row). The windows go in together, so a runtime that
+    # runs many in one pass (torch; streamed, it reads each block once per pass) can.
+    scores = runtime.sequence_scores(windows)
+    for i, ((start, stop, first), window, (lp, _)) in enumerate(zip(wins, windows, scores)):
         k = first - start  # first scored position within the window
-        # Each next token's log-probability (the runtime reduces the logits; a remote target
-        # sends back one number per token, not a vocabulary-wide row).
-        lp, _ = runtime.continuation_scores(window[:1], [window[1:]])[0]
         nlls.append(-np.asarray(lp[k - 1 :], dtype=np.float64))
         total_bytes += covered_bytes(ends, first, stop)
         kept.append((window, k))

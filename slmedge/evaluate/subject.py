@@ -10,6 +10,7 @@ cache and run from there, so all three runtimes serve every source.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from ..errors import ConfigError
 from ..export.formats import format_for_path, get_format
 from ..fsutil import sha256_file
 from ..models.artifact_format import is_artifact, manifest_path, read_manifest
-from ..models.source import load
+from ..models.source import load, resolve
 from ..paths import cache_dir
 from ..runtimes import Runtime, TorchRuntime
 from ..runtimes.memprobe import open_file_runtime
@@ -35,6 +36,7 @@ class Subject:
     params: int | None = None
     config: dict = field(default_factory=dict)
     base_spec: str | None = None  # the reference by default: an artifact's base model
+    streamed: bool = False  # torch runs the model one decoder block at a time (``torch_streamed``)
 
     @property
     def label(self) -> str:
@@ -105,10 +107,11 @@ def _format_runtime(fmt: str, runtime: str | None) -> str:
 
 
 def open_subject(spec: str | None, runtime: str | None = None, threads: int | None = None, n_ctx: int = 2048,
-                 device: str = "cpu", trust_remote_code: bool = False, factory=None) -> Subject:
+                 device: str = "cpu", trust_remote_code: bool = False, factory=None,
+                 streamed: bool | None = None) -> Subject:
     """``factory(runtime, path, threads, n_ctx)``, when given, opens model files (a transport's
-    ``open_runtime``: a target's runner, a GPU back end); by default they open here on the CPU."""
-    from ..models.source import resolve
+    ``open_runtime``: a target's runner, a GPU back end); by default they open here on the CPU.
+    ``streamed``: whether torch runs a model source one block at a time (None: ``torch_streamed`` decides)."""
 
     spec = None if spec is None else str(spec)
     spec_s = spec or "smollm2-135m"
@@ -124,14 +127,13 @@ def open_subject(spec: str | None, runtime: str | None = None, threads: int | No
             raise ConfigError(f"{path} is {get_format(fmt).what}: {rt} runs {get_format(want.export_format).label} "
                               f"exports; run it in {' or '.join(_runners(fmt))} (or evaluate its source)")
         return _file_subject(spec_s, path, fmt, rt, want.runs_files, threads, n_ctx, device, trust_remote_code,
-                             factory)
+                             factory, streamed)
 
     # --- model sources: torch, or exported for the other runtimes ------------------------------
     source = resolve(spec, None)
     if not want.runs_files:
-        loaded = load(source, trust_remote_code=trust_remote_code)
         base = _artifact_base(source.path) if source.kind == "artifact" else None
-        return _torch_subject(spec_s, loaded, threads, device, base, dict(loaded.identity))
+        return _source_subject(spec_s, source, threads, device, trust_remote_code, base, streamed)
     from ..export.api import source_folder
 
     folder = source_folder(spec)
@@ -152,7 +154,7 @@ def _runners(fmt: str) -> list[str]:
 
 
 def _file_subject(spec_s: str, path: Path, fmt: str, rt: str, runs_files: bool, threads, n_ctx, device,
-                  trust_remote_code, factory) -> Subject:
+                  trust_remote_code, factory, streamed=None) -> Subject:
     """An export (a file or folder in ``fmt``) opened in ``rt``; what differs between formats (the
     model file inside, where the tokenizer is, the manifest's type key) is what the format registered."""
     export_format = get_format(fmt)
@@ -162,9 +164,8 @@ def _file_subject(spec_s: str, path: Path, fmt: str, rt: str, runs_files: bool, 
         if not export_format.torch_source:
             raise ConfigError(f"{path} is {export_format.what}: it runs in {' or '.join(_runners(fmt))} "
                               f"(evaluate its source for {rt})")
-        loaded = load(str(path))
-        return _torch_subject(spec_s, loaded, threads, device, None, {"kind": fmt, "path": str(path.resolve()),
-                                                                      "sha256": sha256_file(path)})
+        return _source_subject(spec_s, resolve(str(path)), threads, device, False, None, streamed,
+                               {"kind": fmt, "path": str(path.resolve()), "sha256": sha256_file(path)})
     model_file = export_format.model_file(path)
     run = factory(rt, model_file, threads, n_ctx)
     if export_format.tokenizer == "inside":  # the file's own vocabulary, read by llama.cpp's loader
@@ -201,23 +202,93 @@ def _vocab(path: Path):
         return require_llama_cpp().Llama(model_path=str(path), vocab_only=True, verbose=False)
 
 
-def _torch_subject(spec, loaded, threads, device, base, identity) -> Subject:
+STREAM_ENV = "SLMEDGE_TORCH_STREAM"  # auto (default) | always | never
+# The whole-model path's peak is about this many times the fp32 weights (0.5B shape, compact artifact:
+# 5.19 GB for 1.98 GB; a bf16 folder 2.1x): the weights, their read copy, the logits and log-sum-exp.
+WHOLE_PEAK_FACTOR = 3
+
+
+def torch_streamed(folder: Path | None, device: str = "cpu", streamed: bool | None = None) -> bool:
+    """Whether torch runs the model in ``folder`` streamed, one decoder block in fp32 at a time
+    (``models.streamed``: the same logits, bit for bit, and the same perplexity, fidelity and task
+    scores; each forward pass reads every block again, so decoding, the latency metric, is far slower).
+    ``streamed`` decides when given; else the environment's SLMEDGE_TORCH_STREAM (``always``,
+    ``never``); else (``auto``) streamed when the whole fp32 model would not fit comfortably: when
+    WHOLE_PEAK_FACTOR times its fp32 bytes exceeds the memory available now. Only a local folder with
+    safetensors weights (or a compact artifact) on the CPU can be streamed."""
+    from ..models.streamed import fp32_bytes, streamable
+
+    if device != "cpu" or folder is None or not streamable(folder):
+        return False
+    if streamed is not None:
+        return streamed
+    mode = os.environ.get(STREAM_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "always", "never"):
+        raise ConfigError(f"{STREAM_ENV} must be auto, always or never, got '{mode}'")
+    if mode != "auto":
+        return mode == "always"
+    available = memory_available()
+    return available is not None and WHOLE_PEAK_FACTOR * fp32_bytes(folder) > available
+
+
+def memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _source_subject(spec, source, threads, device, trust_remote_code, base, streamed, identity=None) -> Subject:
+    """A model source in torch: whole, or streamed where ``torch_streamed`` says (its weights are then
+    not loaded here: the tokenizer, config and identity are read as ``load`` reads them)."""
+    local = source.kind in ("artifact", "hf_dir") and not trust_remote_code  # a GGUF import is converted whole anyway
+    if local and torch_streamed(source.path, device, streamed):
+        ident, tokenizer, arch = _described(source)
+        run = TorchRuntime.open_streamed(source.path, threads)
+        return _torch_subject(spec, run, tokenizer, arch, source.path, base, dict(identity or ident), streamed=True)
+    loaded = load(source, trust_remote_code=trust_remote_code)
     run = TorchRuntime(loaded.model, threads, device=device)
-    params = sum(p.numel() for p in loaded.model.parameters())
-    file = None
-    if loaded.hf_dir is not None:
-        file = loaded.hf_dir
+    return _torch_subject(spec, run, loaded.tokenizer, loaded.arch, loaded.hf_dir, base,
+                          dict(identity or loaded.identity))
+
+
+def _described(source):
+    """(identity, tokenizer, architecture) of a local folder source (an artifact, a Hugging Face
+    folder), as ``models.source.load`` gives them, without reading its weights."""
+    from ..models import source as src
+    from ..models.architectures import architecture_for
+
+    if source.kind == "artifact":
+        manifest = src.open_manifest(source.path)  # checks every checksum
+        hf_dir = source.path
+        identity = {"kind": "artifact", "path": str(hf_dir), "recipe": manifest.get("recipe"),
+                    "base_model": manifest.get("base_model"), "weights_sha256": src._artifact_weights_sha(manifest)}
+    else:
+        hf_dir = source.path
+        identity = {"kind": "hf_dir", "path": str(hf_dir), "weights_sha256": src.weights_digest(hf_dir)}
+    config = src._load_config(str(hf_dir), source, None, False)
+    tokenizer = src._load_tokenizer(str(hf_dir), source, None, False, getattr(config, "model_type", None))
+    return identity, tokenizer, architecture_for(config)
+
+
+def _torch_subject(spec, run, tokenizer, arch, hf_dir, base, identity, streamed: bool = False) -> Subject:
+    params = sum(p.numel() for p in run.model.parameters())  # counted on the meta device too
     ident = dict(identity)
-    if loaded.hf_dir is not None and is_artifact(loaded.hf_dir):
-        ident["sha256"] = sha256_file(manifest_path(loaded.hf_dir))
-    elif loaded.hf_dir is not None and "sha256" not in ident:
+    if hf_dir is not None and is_artifact(hf_dir):
+        ident["sha256"] = sha256_file(manifest_path(hf_dir))
+    elif hf_dir is not None and "sha256" not in ident:
         from ..models.source import weights_digest
 
-        ident["sha256"] = ident.get("weights_sha256") or weights_digest(Path(loaded.hf_dir))
+        ident["sha256"] = ident.get("weights_sha256") or weights_digest(Path(hf_dir))
     ident.setdefault("label", Path(spec).name if spec else "model")
-    ident["architecture"] = loaded.arch.model_type
-    return Subject(spec, run, HFEncoder(loaded.tokenizer), ident, file=file, params=params,
-                   config={"model_type": loaded.arch.model_type}, base_spec=base)
+    ident["architecture"] = arch.model_type
+    return Subject(spec, run, HFEncoder(tokenizer), ident, file=hf_dir, params=params,
+                   config={"model_type": arch.model_type}, base_spec=base, streamed=streamed)
 
 
 def _hf_encoder(folder: Path, trust_remote_code: bool) -> HFEncoder:

@@ -47,9 +47,12 @@ def kv_cache_bytes(config: dict, context: int, bytes_per_value: int) -> int | No
     return 2 * layers * kv_heads * head_dim * context * bytes_per_value
 
 
-def peak_rss_child(spec: str, runtime: str, threads: int, prompt_tokens: int = 128, timeout: float = 900) -> dict:
-    """Load ``spec`` in ``runtime`` in a fresh Python process, run one prefill; its peak RSS."""
-    cmd = [sys.executable, "-m", "slmedge.evaluate._memprobe", spec, runtime, str(threads), str(prompt_tokens)]
+def peak_rss_child(spec: str, runtime: str, threads: int, prompt_tokens: int = 128, timeout: float = 900,
+                   streamed: bool = False) -> dict:
+    """Load ``spec`` in ``runtime`` in a fresh Python process, run one prefill; its peak RSS. ``streamed``:
+    torch runs it one block at a time, as the evaluation did (the child does not decide again)."""
+    cmd = [sys.executable, "-m", "slmedge.evaluate._memprobe", spec, runtime, str(threads), str(prompt_tokens),
+           "streamed" if streamed else "whole"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     except subprocess.TimeoutExpired as exc:

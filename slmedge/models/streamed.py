@@ -108,6 +108,12 @@ class StreamedModel:
         for name, empty in self._empty[i].items():
             _set(block, name, empty)
 
+    def free_all(self) -> None:
+        """Put every block that still holds real tensors back on the meta device (a forward pass that
+        stopped inside a block leaves that one loaded; one that finished has freed them all)."""
+        for i in self.materialized_blocks():
+            self.free(i)
+
     def materialized_blocks(self) -> list[int]:
         """The blocks that hold real (not meta) tensors now."""
         return [i for i, block in enumerate(self.blocks) if any(not t.is_meta for _, t in _tensors(block))]
@@ -143,8 +149,7 @@ class StreamedModel:
             with torch.no_grad():
                 out = self.model(input_ids=ids, use_cache=False, **kwargs)
         finally:
-            for i in self.materialized_blocks():
-                self.free(i)
+            self.free_all()
         return out.logits.float()
 
 
@@ -271,3 +276,38 @@ def _empty_init(cls):
         for ctx in cls.get_init_context(False, False):
             stack.enter_context(ctx)
         yield
+
+
+# --- whether to stream --------------------------------------------------------------------------
+
+
+def streamable(path) -> bool:
+    """Whether ``StreamedModel`` can read the folder at ``path``: a compact artifact, or a folder with
+    safetensors weights (a version-1 artifact, a Hugging Face folder, sharded or not)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        return False
+    if is_artifact(path) and is_compact(path):
+        return True
+    try:
+        return bool(_weight_files(path))
+    except SlmedgeError:
+        return False
+
+
+def fp32_bytes(path) -> int:
+    """The bytes of the model at ``path`` whole in fp32 (its parameters and persistent buffers, counted
+    on the meta device from its config: nothing is read but the config)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    with torch.device("meta"):
+        model = cls(config)
+    seen, total = set(), 0
+    for _, t in _tensors(model):
+        if id(t) not in seen:  # a tied head is the embedding itself
+            seen.add(id(t))
+            total += t.numel() * 4
+    return total

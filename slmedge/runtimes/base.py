@@ -12,6 +12,7 @@ import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 
@@ -97,6 +98,20 @@ class Runtime(ABC):
         """(T, H) final hidden states where the runtime exposes them (torch), else None."""
         return None
 
+    def sequence_scores(self, seqs: list[list[int]]) -> Iterator[tuple[np.ndarray, bool]]:
+        """Per sequence, in order, ``continuation_scores(seq[:1], [seq[1:]])``: every token after the
+        first scored (perplexity windows). Runtimes that run many sequences in one pass (torch)
+        override it; the results are the same."""
+        for seq in seqs:
+            yield self.continuation_scores(list(seq[:1]), [list(seq[1:])])[0]
+
+    def sequence_outputs(self, seqs: list[list[int]], hidden: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+        """Per sequence, in order, (``logits(seq)``, ``hidden_states(seq)`` if ``hidden`` else None), one
+        sequence at a time (fidelity windows). Runtimes that run many sequences in one pass (torch)
+        override it; the results are the same."""
+        for seq in seqs:
+            yield self.logits(seq), (self.hidden_states(seq) if hidden else None)
+
     @property
     @abstractmethod
     def vocab_size(self) -> int: ...
@@ -134,7 +149,14 @@ def _logsumexp_rows(x: np.ndarray, in_torch: bool = False) -> np.ndarray:
     if in_torch:
         import torch
 
-        return torch.logsumexp(torch.from_numpy(np.ascontiguousarray(x)).double(), -1).numpy()
+        # In blocks of rows, so that the float64 copy is a block's (a 512 x 151,936 window's would be
+        # 0.6 GB, twice over); each row's value is the same whichever rows share its block, as long as
+        # blocks have many more rows than threads (torch then splits rows among threads, not a row's
+        # sum): blocks of ``step`` to 2 x ``step`` - 1 rows, the last one taking the remainder.
+        x = torch.from_numpy(np.ascontiguousarray(x))
+        step = max(64, 4 * torch.get_num_threads())
+        starts = [0, *range(step, len(x) - step + 1, step), len(x)]
+        return torch.cat([torch.logsumexp(x[a:b].double(), -1) for a, b in zip(starts, starts[1:])]).numpy()
     x = x.astype(np.float64)
     m = x.max(-1, keepdims=True)
     return (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))[:, 0]

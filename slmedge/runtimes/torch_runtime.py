@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -35,23 +36,100 @@ class TorchRuntime(Runtime):
     # the first time it fails, after which every group runs as whole sequences.
     packing = True
 
-    def __init__(self, model, threads: int | None = None, device: str = "cpu"):
+    # Tokens per pass of ``sequence_scores``/``sequence_outputs`` (windows of one length run together):
+    # a streamed model reads every block once per pass, so a pass takes many windows; the activations
+    # of a pass are small beside the weights (the logits are made one window at a time).
+    batch_tokens = 4096
+
+    def __init__(self, model, threads: int | None = None, device: str = "cpu", streamed=None):
+        """``model``: a transformers causal LM, whole; or, with ``streamed`` (a ``models.streamed.StreamedModel``),
+        that object's model, whose decoder blocks its own forward pass reads one at a time (CPU only)."""
         import torch
 
         super().__init__(threads)
         torch.set_num_threads(self.threads)
         self.torch = torch
         self.device = device
-        self.model = model.to(device).eval()
+        self.streamed = streamed
+        if streamed is not None and device != "cpu":
+            raise ValueError(f"a streamed model runs on the CPU, not {device}")
+        self.model = (model if streamed is not None else model.to(device)).eval()
+
+    @classmethod
+    def open_streamed(cls, path, threads: int | None = None) -> "TorchRuntime":
+        """The model folder at ``path`` (an artifact of either version, a Hugging Face folder with
+        safetensors) run with one decoder block in fp32 in memory at a time: the same logits, bit for bit."""
+        from ..models.streamed import StreamedModel
+
+        sm = StreamedModel(path)
+        return cls(sm.model, threads, streamed=sm)
+
+    @contextmanager
+    def _pass(self):
+        """One or more forward passes without gradients; a streamed model's blocks are all freed after
+        them, also when one stopped inside a block."""
+        try:
+            with self.torch.no_grad():
+                yield
+        finally:
+            if self.streamed is not None:
+                self.streamed.free_all()
+
+    def close(self) -> None:
+        if self.streamed is not None:
+            self.streamed.close()
+            self.streamed = None
 
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
     def logits(self, ids):
+        return next(self.sequence_outputs([list(ids)]))[0]
+
+    def _batches(self, seqs):
+        """Runs of consecutive sequences of one length, at most ``batch_tokens`` tokens each (at least one
+        sequence): they need no padding, so each row is computed as it would be alone."""
+        batch: list[int] = []
+        for i, s in enumerate(seqs):
+            if batch and (len(s) != len(seqs[batch[0]]) or (len(batch) + 1) * len(s) > self.batch_tokens):
+                yield batch
+                batch = []
+            batch.append(i)
+        if batch:
+            yield batch
+
+    def _last_hidden(self, rows, mask: bool):
+        """The decoder's final hidden states (B, T, H) of equal-length rows; ``mask``: with an all-ones
+        attention mask, as the padded scoring path passes one (its bits are kept)."""
+        torch = self.torch
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        kw = {"attention_mask": torch.ones_like(ids)} if mask else {}
+        # not base_model_prefix: Gemma 3's names a module it does not have
+        return self.model.get_decoder()(input_ids=ids, use_cache=False, **kw).last_hidden_state
+
+    def sequence_scores(self, seqs):
+        # Rows are each window but its last token, as continuation_scores(seq[:1], [seq[1:]]) runs them;
+        # the head is applied one row at a time, so only one window's logits (T, V) exist at once.
+        seqs = [list(s) for s in seqs]
+        for batch in self._batches([s[:-1] for s in seqs]):
+            with self._pass():
+                hidden = self._last_hidden([seqs[i][:-1] for i in batch], mask=True)
+            for r, i in enumerate(batch):
+                yield _token_scores(self._row_logits(hidden[r]), seqs[i][1:], self.torch_lse)
+
+    def sequence_outputs(self, seqs, hidden: bool = False):
+        seqs = [list(s) for s in seqs]
+        for batch in self._batches(seqs):
+            with self._pass():
+                states = self._last_hidden([seqs[i] for i in batch], mask=False)
+            for r in range(len(batch)):  # nothing is yielded inside a pass: no grad mode left to the caller
+                yield self._row_logits(states[r]), (states[r].float().cpu().numpy() if hidden else None)
+
+    def _row_logits(self, hidden):
+        """(T, V) fp32 logits of one row's final hidden states (T, H)."""
         with self.torch.no_grad():
-            out = self.model(self.torch.tensor([list(ids)], device=self.device), use_cache=False)
-        return out.logits[0].float().cpu().numpy()
+            return self._head(hidden).float().cpu().numpy()
 
     def continuation_scores(self, context, continuations):
         # The context (but its last token) runs once and its KV cache is shared by the
@@ -62,7 +140,7 @@ class TorchRuntime(Runtime):
         if len(ctx) > 1 and len(continuations) > 0 and self.packing:
             return self._packed_or_alone([(ctx, continuations)])[0]  # failing, it comes back here unpacked
         ids, mask = _padded(ctx, continuations, 0)
-        with torch.no_grad():
+        with self._pass():
             logits = self.model(torch.from_numpy(ids).to(self.device),
                                 attention_mask=torch.from_numpy(mask).to(self.device), use_cache=False).logits
         logits = logits.float().cpu().numpy()
@@ -160,7 +238,7 @@ class TorchRuntime(Runtime):
             mask[r, p : p + len(x)] = 1
             pos[r] = torch.arange(plen[g], plen[g] + w)
         dev = self.device
-        with torch.no_grad():
+        with self._pass():
             cache = DynamicCache(config=self.model.config)
             base(input_ids=pre.to(dev), attention_mask=pre_mask.to(dev), past_key_values=cache, use_cache=True)
             cache.batch_select_indices(torch.tensor([g for g, _ in rows], device=dev))
@@ -181,17 +259,14 @@ class TorchRuntime(Runtime):
         return torch_tanh_cap(logits, cap) if cap else logits
 
     def hidden_states(self, ids):
-        with self.torch.no_grad():
-            out = self.model(self.torch.tensor([list(ids)], device=self.device), use_cache=False,
-                             output_hidden_states=True)
-        return out.hidden_states[-1][0].float().cpu().numpy()
+        return next(self.sequence_outputs([list(ids)], hidden=True))[1]
 
     def _prefill(self, ids):
-        with self.torch.no_grad():
+        with self._pass():
             out = self.model(self.torch.tensor([ids], device=self.device), use_cache=True)
         return out.logits[0, -1].float().cpu().numpy(), out.past_key_values
 
     def _step(self, token, state, position):
-        with self.torch.no_grad():
+        with self._pass():
             out = self.model(self.torch.tensor([[token]], device=self.device), past_key_values=state, use_cache=True)
         return out.logits[0, -1].float().cpu().numpy(), out.past_key_values
