@@ -28,6 +28,7 @@ import math
 import shutil
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ from .errors import ONNXExportError, ONNXVerificationError  # noqa: F401 - re-ex
 from .formats import get_format, register_format
 from .inspect import (EXPORT_MANIFEST, inspect_onnx, is_onnx_folder, onnx_model_facts, onnx_model_files, onnx_rows,
                       read_onnx_manifest, verified_onnx_manifest)
-from .source import iter_weights, open_export_source
+from .source import iter_weights, open_export_source, outlines
 from .verify import check_logits, compare_logits, probe_text, source_tokenizer, torch_logits
 
 ONNX_TYPES = ("fp32", "fp16", "int4", "int8", "int8-dynamic")
@@ -209,65 +210,12 @@ def _quiet_root_logger():
 # --- the export -------------------------------------------------------------------------------
 
 
-class _Shape:
-    """Stands for a tensor not read yet: only its ``shape``."""
-
-    def __init__(self, shape):
-        self.shape = tuple(shape)
-
-
-class _LazyLinear:
-    """A compressed linear of an artifact as its manifest describes it (``spec``; ``codes`` and
-    ``mask`` stand for the tensors by their shapes); ``load()`` reads its codes, scales and zeros
-    from ``quantization.safetensors`` when they are placed, one linear at a time."""
-
-    def __init__(self, path: Path, name: str, entry: dict, keys: set):
-        rows, cols = entry["shape"]
-        self.path, self.name = path, name
-        self.spec = QuantSpec(entry["bits"], entry["group_size"], entry["symmetric"]) if "bits" in entry else None
-        self.codes = _Shape((rows, cols)) if "bits" in entry else None
-        self.mask = _Shape((rows, cols)) if f"{name}.mask" in keys else None
-
-    def load(self):
-        """(codes (rows, cols) uint8, scales, zeros) as ``Artifact.layers`` reads them."""
-        from safetensors import safe_open
-
-        from ..compress.artifact import QUANT_FILE
-        from ..models.codes import unpack_codes
-
-        with safe_open(str(self.path / QUANT_FILE), framework="pt") as f:
-            codes = unpack_codes(f.get_tensor(f"{self.name}.qweight"), self.spec.bits, self.codes.shape[1])
-            return codes, f.get_tensor(f"{self.name}.scales"), f.get_tensor(f"{self.name}.zeros")
-
-
-def _open_source(source):
-    """``export.source.open_export_source``, but an artifact's codes are not read yet (``_LazyLinear``):
-    a 3.8B model's unpacked codes alone are 3.6 GB, and they are needed one linear at a time."""
-    from ..compress.artifact import MANIFEST, QUANT_FILE, Artifact
-    from transformers import AutoConfig
-
-    from ..models.artifact_format import safetensors_header
-    from .errors import ExportError
-    from .source import ExportSource
-
-    path = Path(source)
-    if not (path / MANIFEST).is_file() or not (path / QUANT_FILE).is_file():
-        return open_export_source(source)
-    artifact = Artifact.open(path)  # checks every checksum
-    try:
-        config = AutoConfig.from_pretrained(str(path))
-    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds
-        raise ExportError(f"cannot read {path / 'config.json'}: {str(exc).splitlines()[0]}") from exc
-    keys = set(safetensors_header(path / QUANT_FILE) or {})
-    layers = {name: _LazyLinear(path, name, entry, keys) for name, entry in artifact.manifest["layers"].items()}
-    return ExportSource(path, artifact, config, layers)
-
-
-def _auto_type(layers: dict) -> str:
-    coded = [r for r in layers.values() if r.codes is not None]
+def _auto_type(plan: dict) -> str:
+    """int4/int8 from the artifact's codes (``LinearOutline`` per linear), else fp32."""
+    coded = [o for o in plan.values() if o.coded]
     if not coded:
         return "fp32"
-    return "int4" if max(r.spec.bits for r in coded) <= 4 else "int8"
+    return "int4" if max(o.spec.bits for o in coded) <= 4 else "int8"
 
 
 def _save(model, path: Path) -> None:
@@ -372,19 +320,16 @@ def place_weights(model, stubs: dict, layers: list[str], src_path: Path, tied: d
     replace_stubs(model, stubs, replacements)
 
 
-def place_codes(model, stubs: dict, layers: dict, linears: dict, accuracy_level: int) -> dict:
-    """The stubs of the coded ``layers`` (all placeable) become MatMulNBits over the artifact's
-    codes, as they are; each linear's unpacked codes are dropped from ``layers`` once packed, so the
-    codes are held once, not twice. Returns the per-linear report."""
+def place_codes(model, stubs: dict, layers: Mapping, linears: dict, accuracy_level: int) -> dict:
+    """The stubs (all placeable) of coded linears in ``layers`` become MatMulNBits over the artifact's
+    codes, as they are; ``layers`` (``export.source.LazyLayers``) reads one linear's codes at a time,
+    and they are dropped once packed. Returns the per-linear report."""
     from .onnx_stub import nbits_replacement, replace_stubs
 
     report, replacements = {}, {}
     for layer in [name for name in stubs if name in layers]:
-        res = layers.pop(layer)
-        if isinstance(res, _LazyLinear):
-            codes, scales, zeros = (t.numpy() for t in res.load())
-        else:
-            codes, scales, zeros = res.codes.numpy(), res.scales.numpy(), res.zeros.numpy()
+        res = layers[layer]
+        codes, scales, zeros = res.codes.numpy(), res.scales.numpy(), res.zeros.numpy()
         k, n = linears[layer]
         if codes.shape != (n, k):
             raise ONNXExportError(f"the artifact's codes of {layer} are {codes.shape[0]}x{codes.shape[1]}, "
@@ -469,19 +414,22 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
     if block_size < 16 or block_size & (block_size - 1):
         raise ONNXExportError(f"block size must be a power of two >= 16, got {block_size}")
     check_output_dir(out_dir, overwrite, EXPORT_MANIFEST, inputs=[source])  # before any work
-    src = _open_source(source)
+    # An artifact's codes are read one linear at a time, when placed (a 3.8B model's unpacked codes
+    # alone are 3.6 GB); what is decided before that reads only their outlines.
+    src = open_export_source(source, lazy_layers=True)
+    plan = outlines(src.layers)
     supported = onnx_architectures()
     if src.model_type not in supported:
         raise UnsupportedArchitectureError(
             f"ONNX export does not support architecture '{src.model_type}'; supported: {', '.join(supported)}")
-    key = _auto_type(src.layers) if key == "auto" else key
-    has_codes = any(r.codes is not None for r in src.layers.values())
+    key = _auto_type(plan) if key == "auto" else key
+    has_codes = any(o.coded for o in plan.values())
     notes: list[str] = []
     if exact and key in ("fp32", "fp16", "int8-dynamic") and has_codes:
         raise ONNXExportError(f"--exact: {key} cannot hold the artifact's codes; use int4 or int8 (MatMulNBits)")
     if exact and key in ("int4", "int8") and not has_codes:
         raise ONNXExportError(f"--exact: {src.path} has no codes to keep; {key} would be onnxruntime's own RTN")
-    if any(r.mask is not None for r in src.layers.values()):
+    if any(o.masked for o in plan.values()):
         notes.append("pruned weights are written dense with their zeros; onnxruntime gains no speed from "
                      "unstructured sparsity")
     report_layers: dict[str, dict] = {}
@@ -490,14 +438,14 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
     keep, refused = [], []
     if key in ("int4", "int8") and has_codes:
         bits = 4 if key == "int4" else 8
-        coded = [n for n, r in src.layers.items() if r.codes is not None]
-        too_wide = [n for n in coded if src.layers[n].spec.bits > bits]
+        coded = [n for n, o in plan.items() if o.coded]
+        too_wide = [n for n in coded if plan[n].spec.bits > bits]
         if too_wide:
-            raise ONNXExportError(f"{key} cannot hold {src.layers[too_wide[0]].spec.bits}-bit codes "
+            raise ONNXExportError(f"{key} cannot hold {plan[too_wide[0]].spec.bits}-bit codes "
                                   f"({too_wide[0]}); use int8")
         for name in coded:
-            res = src.layers[name]
-            why = cannot_place(res.spec, res.codes.shape[1])
+            res = plan[name]
+            why = cannot_place(res.spec, res.shape[1])
             if why is None:
                 keep.append(name)
                 continue
@@ -512,10 +460,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
                    f"onnxruntime (RTN, block {block_size}): their calibration is not kept")
             warnings.warn(msg, stacklevel=2)
             notes.append(msg)
-    # The codes to place, by linear; the source's own table is emptied so that each linear's codes
-    # are freed as soon as they are packed into the graph.
-    to_place = {n: src.layers[n] for n in keep}
-    src.layers = {n: r for n, r in src.layers.items() if n not in to_place}
+    to_place = set(keep)  # the linears whose codes are placed (read one at a time by place_codes)
     with atomic_directory(out_dir, overwrite=overwrite, manifest=EXPORT_MANIFEST) as tmp:
         stage = tmp / ".optimum"
         fp16 = key == "fp16"
@@ -548,7 +493,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
                 from .onnx_stub import find_stubs
 
                 stubs = find_stubs(model, {n: linears[n] for n in to_place})
-                report_layers.update(place_codes(model, stubs, to_place, linears, accuracy_level))
+                report_layers.update(place_codes(model, stubs, src.layers, linears, accuracy_level))
                 report_layers = {n: report_layers[n] for n in linears if n in report_layers}
         final = tmp / "model.onnx"
         if key == "int8-dynamic":

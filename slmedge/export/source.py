@@ -24,6 +24,30 @@ class ExportSource:
         return getattr(self.config, "model_type", None)
 
 
+@dataclass(frozen=True)
+class LinearOutline:
+    """One compressed linear as the manifest and the quantization file's header describe it, no tensor
+    read: its grid (None: pruned only), its (rows, cols) and whether it has a mask."""
+
+    spec: object  # compress.quant.QuantSpec | None
+    shape: tuple[int, int]
+    masked: bool
+
+    @property
+    def coded(self) -> bool:
+        return self.spec is not None
+
+
+def outlines(layers: Mapping) -> dict[str, LinearOutline]:
+    """``LinearOutline`` per linear of an export source's ``layers`` (``LazyLayers``: nothing read; a dict
+    of loaded ``LinearResult``: from what is loaded)."""
+    if isinstance(layers, LazyLayers):
+        return layers.outlines()
+    return {name: LinearOutline(r.spec if r.codes is not None else None,
+                                tuple((r.codes if r.codes is not None else r.mask).shape), r.mask is not None)
+            for name, r in layers.items()}
+
+
 class LazyLayers(Mapping):
     """An artifact's compressed linears (name -> ``LinearResult``: codes, scales, zeros, column order,
     mask) read from its quantization file one at a time, when asked for, and not kept: an exporter
@@ -38,6 +62,16 @@ class LazyLayers(Mapping):
             raise KeyError(name)
         one = Artifact(self.artifact.path, {**self.artifact.manifest, "layers": {name: self.entries[name]}})
         return one.layers()[name]
+
+    def outlines(self) -> dict[str, LinearOutline]:
+        """``LinearOutline`` of every linear, from the manifest and the quantization file's header alone."""
+        from ..compress.quant import QuantSpec
+        from ..models.artifact_format import safetensors_header
+
+        keys = set(safetensors_header(self.artifact.path / QUANT_FILE) or {})
+        return {name: LinearOutline(QuantSpec(e["bits"], e["group_size"], e["symmetric"]) if "bits" in e else None,
+                                    tuple(e["shape"]), f"{name}.mask" in keys)
+                for name, e in self.entries.items()}
 
     def outline(self, name: str):
         """(grid, mask) of one linear without reading its codes: its ``QuantSpec`` (None: pruned only) and
