@@ -339,3 +339,29 @@ def test_a_version_1_artifact_exports_the_same_checkpoint(method, kw, tiny_model
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+# --- evaluated like any export -----------------------------------------------------------------
+
+
+def test_evaluate_runs_the_checkpoint_in_torch_with_the_artifacts_numbers(artifacts, tmp_path):
+    """An export folder in this format is a checkpoint torch loads (transformers decompresses it):
+    `evaluate` opens it there, whole (never streamed from its packed tensors), and scores what the
+    artifact scores."""
+    from slmedge.evaluate.api import EvalSettings, evaluate
+
+    art = artifacts("llama", "rtn", bits=4, group_size=32, symmetric=False)
+    export(art, tmp_path / "ct")
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The quick brown fox jumps over the lazy dog while the cat sleeps. " * 20, encoding="utf-8")
+    settings = dict(metrics=("perplexity",), langs=(), wikitext=False, corpora=(str(corpus),), seqlen=32,
+                    ppl_windows=2, threads=1)
+    ppl = {}
+    for name, spec in (("ct", tmp_path / "ct"), ("artifact", art)):
+        res = evaluate(str(spec), EvalSettings(**settings), json_path=tmp_path / f"{name}.json")
+        ppl[name] = res["metrics"]["perplexity"]["c.txt"]["perplexity"]
+        assert res["runtime"] == "torch", res.get("runtime")
+    assert ppl["ct"] == pytest.approx(ppl["artifact"], rel=1e-5)
+    from slmedge.models.streamed import streamable
+
+    assert not streamable(tmp_path / "ct")  # packed weights: transformers decodes them

@@ -103,7 +103,12 @@ def _format_runtime(fmt: str, runtime: str | None) -> str:
     """``runtime`` if given, else the first registered runtime that runs files of ``fmt``."""
     if runtime:
         return check_runtime_name(runtime)
-    return next(n for n, s in RUNTIMES.items() if s.export_format == fmt)
+    found = next((n for n, s in RUNTIMES.items() if s.export_format == fmt), None)
+    if found is None and get_format(fmt).torch_source:  # a checkpoint torch loads (compressed-tensors)
+        return source_runtime().name
+    if found is None:
+        raise ConfigError(f"no runtime runs {get_format(fmt).what}")
+    return found
 
 
 def open_subject(spec: str | None, runtime: str | None = None, threads: int | None = None, n_ctx: int = 2048,
@@ -164,8 +169,9 @@ def _file_subject(spec_s: str, path: Path, fmt: str, rt: str, runs_files: bool, 
         if not export_format.torch_source:
             raise ConfigError(f"{path} is {export_format.what}: it runs in {' or '.join(_runners(fmt))} "
                               f"(evaluate its source for {rt})")
+        digest = sha256_file(path) if path.is_file() else _sha256_files(sorted(f for f in path.rglob("*") if f.is_file()))
         return _source_subject(spec_s, resolve(str(path)), threads, device, False, None, streamed,
-                               {"kind": fmt, "path": str(path.resolve()), "sha256": sha256_file(path)})
+                               {"kind": fmt, "path": str(path.resolve()), "sha256": digest})
     model_file = export_format.model_file(path)
     run = factory(rt, model_file, threads, n_ctx)
     if export_format.tokenizer == "inside":  # the file's own vocabulary, read by llama.cpp's loader

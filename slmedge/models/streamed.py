@@ -289,6 +289,11 @@ def streamable(path) -> bool:
         return False
     if is_artifact(path) and is_compact(path):
         return True
+    try:  # weights stored quantized (compressed-tensors, GPTQ checkpoints...): transformers decodes them
+        if "quantization_config" in json.loads((path / "config.json").read_text(encoding="utf-8")):
+            return False
+    except (OSError, ValueError):
+        return False
     try:
         return bool(_weight_files(path))
     except SlmedgeError:
