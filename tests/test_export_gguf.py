@@ -571,3 +571,134 @@ def test_gguf_export_peak_memory_is_one_tensor_not_the_model(qtype, tiny_models,
     grew = m["hwm"] - m["before"]
     assert m["bytes"] > f16_model
     assert grew < bound, f"peak grew {grew / 2**20:.0f} MiB; bound {bound / 2**20:.0f} MiB (f16 model {f16_model / 2**20:.0f} MiB)"
+
+
+# --- Phi-3.5's LongRoPE ---------------------------------------------------------------------------
+
+
+def _phi3_longrope(tiny_models, folder, original, maximum, seed=0, **scaling):
+    """The tiny phi3 with a LongRoPE rope_scaling (head_dim 16: 8 factors each, all far from 1.0)."""
+    shutil.copytree(tiny_models("phi3"), folder)
+    rng = np.random.default_rng(seed)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(original_max_position_embeddings=original, max_position_embeddings=maximum)
+    config["rope_scaling"] = {"type": "longrope", "short_factor": rng.uniform(1.5, 4.0, 8).round(4).tolist(),
+                              "long_factor": rng.uniform(4.0, 16.0, 8).round(4).tolist(), **scaling}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, config["rope_scaling"]
+
+
+@pytest.mark.parametrize("qtype", ["f32", "f16"])
+def test_phi3_longrope_writes_the_long_and_short_factors_and_llamacpp_matches_torch(qtype, tiny_models, tmp_path,
+                                                                                  monkeypatch):
+    """Phi-3.5-mini's rope_scaling (longrope; 4096 -> 131072) as convert_hf_to_gguf.py's Phi3MiniModel writes it.
+    The probe (~135 tokens) is shorter than the original context (512): transformers uses the short factors
+    (it switches by the sequence's length), and so does llama.cpp, whose verification context (the probe
+    plus a little, at least 64) is within the original one (it switches by its n_ctx)."""
+    src, scaling = _phi3_longrope(tiny_models, tmp_path / "src", original=512, maximum=2048)
+    report = export_gguf(src, tmp_path / "m.gguf", qtype=qtype)
+    v = report["verification"]
+    tol = 1e-5 if qtype == "f32" else 1e-4
+    assert v["tokenizer_agrees"] and v["mean_kl"] < tol and v["top1_agreement"] > 0.97
+    _, fields, tensors = read(tmp_path / "m.gguf")
+    assert fields["phi3.context_length"] == 2048 and fields["phi3.rope.scaling.original_context_length"] == 512
+    assert fields["phi3.rope.scaling.attn_factor"] == pytest.approx(np.sqrt(1 + np.log(4) / np.log(512)), rel=1e-6)
+    for name, key in (("rope_factors_long.weight", "long_factor"), ("rope_factors_short.weight", "short_factor")):
+        assert tensors[name].tensor_type == gguf.GGMLQuantizationType.F32 and report["tensors"][name]["shape"] == [8]
+        assert np.array_equal(np.asarray(tensors[name].data), np.asarray(scaling[key], dtype=np.float32)), name
+    # The check above can fail: the same file with the factors written as 1.0 (the factors ignored), or
+    # without the attention factor, gives llama.cpp logits that are refused against torch's.
+    real = gh.add_longrope
+
+    class NoAttentionFactor:
+        def __init__(self, writer):
+            self.writer = writer
+
+        def __getattr__(self, name):
+            return getattr(self.writer, name)
+
+        def add_rope_scaling_attn_factors(self, value):
+            self.writer.add_rope_scaling_attn_factors(1.0)
+
+    for i, broken in enumerate((lambda w, c, s: [(n, np.ones_like(a)) for n, a in real(w, c, s)],
+                                lambda w, c, s: real(NoAttentionFactor(w), c, s))):
+        monkeypatch.setattr(gh, "add_longrope", broken)
+        with pytest.raises(GGUFVerificationError, match="disagree"):
+            export_gguf(src, tmp_path / f"broken{i}.gguf", qtype=qtype)
+        assert not (tmp_path / f"broken{i}.gguf").exists()
+
+
+def test_phi3_longrope_past_the_original_context_uses_the_long_factors_in_both(tiny_models, tmp_path):
+    """An original context (16) shorter than the probe: transformers uses the long factors for the whole
+    sequence, and llama.cpp, its n_ctx past the original context, too."""
+    src, _ = _phi3_longrope(tiny_models, tmp_path / "src", original=16, maximum=2048)
+    report = export_gguf(src, tmp_path / "m.gguf", qtype="f32")
+    assert report["verification"]["mean_kl"] < 1e-5
+
+
+def test_phi3_longrope_refuses_what_llamacpp_would_compute_differently(tiny_models, tmp_path):
+    from types import SimpleNamespace
+
+    class Writer:
+        def __init__(self):
+            self.calls = {}
+
+        def __getattr__(self, name):
+            return lambda *a, **k: self.calls.__setitem__(name, a)
+
+    def config(**over):
+        scaling = {"type": "longrope", "short_factor": [1.5] * 8, "long_factor": [4.0] * 8}
+        scaling.update(over.pop("scaling", {}))
+        base = dict(model_type="phi3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=None,
+                    num_hidden_layers=2, intermediate_size=128, vocab_size=384, rms_norm_eps=1e-5,
+                    max_position_embeddings=131072, original_max_position_embeddings=4096, rope_theta=10000.0,
+                    partial_rotary_factor=None, sliding_window=None, rope_scaling=scaling, rope_parameters=None)
+        base.update(over)
+        return SimpleNamespace(**base)
+
+    from slmedge.models.architectures import ARCHITECTURES
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import _compute_longrope_parameters
+
+    arch = ARCHITECTURES["phi3"]
+    # Phi-3.5-mini's context (4096 -> 131072) on transformers' own config: its attention factor is written.
+    hf = Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                    intermediate_size=128, vocab_size=384, max_position_embeddings=131072,
+                    original_max_position_embeddings=4096, rope_scaling=config().rope_scaling)
+    writer = Writer()
+    extra = dict(gh.add_hparams(writer, hf, arch, gguf.LlamaFileType.ALL_F32))
+    assert sorted(extra) == ["rope_factors_long.weight", "rope_factors_short.weight"]
+    assert writer.calls["add_context_length"] == (131072,) and writer.calls["add_rope_scaling_orig_ctx_len"] == (4096,)
+    hf_factor = _compute_longrope_parameters(hf, "cpu")[1]
+    assert writer.calls["add_rope_scaling_attn_factors"][0] == pytest.approx(hf_factor) == pytest.approx(1.19023807)
+    # Without config.original_max_position_embeddings transformers takes max_position_embeddings for the original
+    # context and rope_scaling.factor for the scale: an attention factor other than llama.cpp's, refused.
+    hf.original_max_position_embeddings = None
+    hf.rope_scaling = {**hf.rope_scaling, "original_max_position_embeddings": 4096, "factor": 2.0}
+    with pytest.raises(GGUFExportError, match="transformers scales this model's rotary embedding by 1.0289"):
+        gh.add_hparams(Writer(), hf, arch, gguf.LlamaFileType.ALL_F32)
+    # An explicit attention_factor is what transformers applies: llama.cpp gets that value.
+    writer = Writer()
+    gh.add_hparams(writer, config(scaling={"attention_factor": 1.25}), arch, gguf.LlamaFileType.ALL_F32)
+    assert writer.calls["add_rope_scaling_attn_factors"] == (1.25,)
+    # No scaling past the original context: attention factor 1.
+    writer = Writer()
+    gh.add_hparams(writer, config(max_position_embeddings=4096), arch, gguf.LlamaFileType.ALL_F32)
+    assert writer.calls["add_rope_scaling_attn_factors"] == (1.0,)
+    for over, words in ((dict(scaling={"short_factor": [1.5] * 7}), r"short_factor must be 8 numbers"),
+                        (dict(scaling={"long_factor": [4.0] * 16}), r"long_factor must be 8 numbers"),
+                        (dict(partial_rotary_factor=0.5), r"must be 4 numbers \(rotary dimensions 8"),
+                        (dict(scaling={"long_factor": None}), "no long_factor"),
+                        (dict(scaling={"short_factor": [1.5] * 7 + [0.0]}), "positive"),
+                        (dict(original_max_position_embeddings=None), "original_max_position_embeddings"),
+                        (dict(scaling={"original_max_position_embeddings": 8192}), "differs")):
+        with pytest.raises(GGUFExportError, match=words):
+            gh.add_hparams(Writer(), config(**over), arch, gguf.LlamaFileType.ALL_F32)
+    # From a folder: transformers' Phi3Config already refuses a wrong-length list, and nothing is written.
+    bad, scaling = _phi3_longrope(tiny_models, tmp_path / "bad", original=512, maximum=2048)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["rope_scaling"]["short_factor"] = scaling["short_factor"][:7]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(GGUFExportError, match="short_factor"):
+        export_gguf(bad, tmp_path / "bad.gguf", qtype="f32", verify=False)
+    assert not (tmp_path / "bad.gguf").exists()

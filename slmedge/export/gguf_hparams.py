@@ -55,8 +55,91 @@ def llama3_rope_factors(config, scaling: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
+def rope_dims(config) -> int:
+    """The rotated dimensions of a head (Phi-3's partial_rotary_factor)."""
+    return int(head_dim(config) * float(hparam(config, "partial_rotary_factor", 1.0)))
+
+
+def add_longrope(writer, c, scaling: dict) -> list:
+    """Phi-3/3.5's LongRoPE ("su" in older configs) as convert_hf_to_gguf.py's Phi3MiniModel writes it:
+    rope_factors_long/short (fp32, rope dims / 2 each), rope.scaling.original_context_length and
+    rope.scaling.attn_factor; the context length written is max_position_embeddings.
+
+    The attention factor is the one transformers applies to cos/sin (_compute_longrope_parameters):
+    the config's explicit attention_factor, else sqrt(1 + ln(scale) / ln(original context)) for
+    scale = max_position_embeddings / original_max_position_embeddings > 1, else 1.0 (the converter's
+    formula for 'su'/'longrope'; for an explicit value llama.cpp's converter would write that formula's,
+    here transformers' is written). Where the installed transformers computes a different attention
+    factor for the config, the export is refused.
+
+    Which factors apply is decided at run time, differently: llama.cpp uses the short factors while its
+    context (n_ctx per sequence) is at most the original context and the long ones beyond; transformers
+    by the sequence's length. They differ only when llama.cpp's context exceeds the original one and a
+    sequence does not (llama.cpp: long factors, transformers: short)."""
+    dims = rope_dims(c)
+    long_factors, short_factors = scaling.get("long_factor"), scaling.get("short_factor")
+    for which, factors in (("long_factor", long_factors), ("short_factor", short_factors)):
+        if factors is None:
+            raise GGUFExportError(f"rope_scaling of type longrope has no {which}: llama.cpp needs both the long "
+                                  "and the short factors; cannot export")
+        try:
+            values = np.asarray(factors, dtype=np.float64)
+        except (TypeError, ValueError):
+            values = None
+        if values is None or values.ndim != 1 or len(values) != dims // 2 or dims % 2:
+            raise GGUFExportError(f"rope_scaling.{which} must be {dims // 2} numbers (rotary dimensions {dims} / 2), "
+                                  f"got {len(factors) if isinstance(factors, (list, tuple)) else factors!r}; "
+                                  "cannot export")
+        if not np.all(np.isfinite(values)) or np.any(values <= 0):
+            raise GGUFExportError(f"rope_scaling.{which} must be positive finite numbers; cannot export")
+    max_pos = hparam(c, "max_position_embeddings")
+    orig = hparam(c, "original_max_position_embeddings")
+    in_scaling = scaling.get("original_max_position_embeddings")
+    if orig is None:
+        orig = in_scaling
+    elif in_scaling is not None and int(in_scaling) != int(orig):
+        raise GGUFExportError(f"rope_scaling.original_max_position_embeddings ({in_scaling}) differs from "
+                              f"config.original_max_position_embeddings ({orig}); cannot tell which the model uses")
+    if max_pos is None or orig is None or int(orig) <= 0:
+        raise GGUFExportError("longrope needs max_position_embeddings and original_max_position_embeddings: llama.cpp "
+                              "chooses the long or short factors by the original context; cannot export")
+    max_pos, orig = int(max_pos), int(orig)
+    scale = max_pos / orig
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+    elif not (isinstance(attention, (int, float)) and math.isfinite(attention) and attention > 0):
+        raise GGUFExportError(f"rope_scaling.attention_factor must be a positive number, got {attention!r}")
+    theirs = transformers_longrope_attention(c)
+    if theirs is not None and not math.isclose(theirs, float(attention), rel_tol=1e-6):
+        raise GGUFExportError(f"transformers scales this model's rotary embedding by {theirs:.6g}, not the "
+                              f"{float(attention):.6g} llama.cpp would be given; cannot export")
+    writer.add_rope_scaling_orig_ctx_len(orig)
+    writer.add_rope_scaling_attn_factors(float(attention))
+    return [("rope_factors_long.weight", np.asarray(long_factors, dtype=np.float32)),
+            ("rope_factors_short.weight", np.asarray(short_factors, dtype=np.float32))]
+
+
+def transformers_longrope_attention(c) -> float | None:
+    """The attention factor transformers' _compute_longrope_parameters gives config ``c`` (None where
+    ``c`` is not a transformers config or the function is not there as it is in transformers 4.x)."""
+    try:
+        from transformers import PretrainedConfig
+        from transformers.modeling_rope_utils import _compute_longrope_parameters
+    except ImportError:
+        return None
+    if not isinstance(c, PretrainedConfig):
+        return None
+    try:
+        return float(_compute_longrope_parameters(c, "cpu")[1])
+    except (TypeError, KeyError, AttributeError, ValueError) as exc:
+        raise GGUFExportError(f"transformers cannot compute this model's longrope parameters ({exc}); "
+                              "cannot export") from exc
+
+
 def add_hparams(writer, c, arch: Architecture, ftype) -> list:
-    """Architecture metadata of config ``c``; returns extra (name, array) tensors (rope_freqs)."""
+    """Architecture metadata of config ``c``; returns extra (name, array) tensors (rope_freqs,
+    rope_factors_long/short)."""
     import gguf
 
     layout = arch.gguf
@@ -73,7 +156,7 @@ def add_hparams(writer, c, arch: Architecture, ftype) -> list:
         writer.add_key_length(hdim)
         writer.add_value_length(hdim)
     if layout.rope_dimension_count:
-        writer.add_rope_dimension_count(int(hdim * float(hparam(c, "partial_rotary_factor", 1.0))))
+        writer.add_rope_dimension_count(rope_dims(c))
     if layout.sliding_window and hparam(c, "sliding_window"):
         writer.add_sliding_window(int(c.sliding_window))
     if layout.layer_types:
@@ -91,6 +174,8 @@ def add_hparams(writer, c, arch: Architecture, ftype) -> list:
             writer.add_rope_scaling_factor(float(scaling["factor"]))
         elif kind == "llama3":
             extra.append(("rope_freqs.weight", llama3_rope_factors(c, scaling)))
+        elif kind in ("longrope", "su"):
+            extra.extend(add_longrope(writer, c, scaling))
     writer.add_file_type(ftype)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     return extra

@@ -129,7 +129,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         awq_skip_clip=("self_attn.qkv_proj",),
         examples=("Phi-3", "Phi-3.5"),
         # Fused qkv_proj/gate_up_proj are llama.cpp's attn_qkv/ffn_up as they are; NEOX rotary.
-        gguf=GGUFLayout("PHI3", rope_dimension_count=True, output_required=True, sliding_window=True),
+        # LongRoPE (Phi-3.5, Phi-3 128k; "su" in older configs): rope_factors_long/short tensors.
+        gguf=GGUFLayout("PHI3", rope_dimension_count=True, rope_scaling=("default", "longrope", "su"),
+                        output_required=True, sliding_window=True),
     ),
     "gemma2": replace(_LLAMA, model_type="gemma2", awq=_GEMMA_AWQ, norm_offset=1.0, examples=("Gemma 2",), gguf=None),
     "gemma3_text": replace(
