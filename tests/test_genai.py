@@ -150,6 +150,9 @@ def test_an_artifact_evaluated_in_genai_is_exported_for_it(og, artifacts, tmp_pa
     res = evaluate(str(art), _settings(tmp_path, runtime="onnxruntime-genai", metrics=("perplexity",)))
     assert res["runtime"] == "onnxruntime-genai" and res["identity"]["kind"] == "onnxruntime-genai"
     assert res["metrics"]["perplexity"]["c.txt"]["perplexity"] > 1
+    # the result says where its scores came from, and which genai computed them
+    assert res["runtime_info"]["logits_from"].startswith("onnxruntime-genai")
+    assert res["versions"]["onnxruntime_genai"] == og.__version__
 
 
 def test_a_wrong_kv_cache_layout_fails_the_check_and_leaves_nothing(og, tiny_models, tmp_path, monkeypatch):

@@ -49,7 +49,8 @@ def library_versions() -> dict:
     import importlib.metadata as md
 
     out = {"slmedge": __version__, "python": platform.python_version()}
-    for pkg in ("torch", "transformers", "safetensors", "gguf", "llama_cpp_python", "onnx", "onnxruntime"):
+    for pkg in ("torch", "transformers", "safetensors", "gguf", "llama_cpp_python", "onnx", "onnxruntime",
+                "onnxruntime_genai", "compressed_tensors"):
         try:
             out[pkg] = md.version(pkg.replace("_", "-"))
         except md.PackageNotFoundError:

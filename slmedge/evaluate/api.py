@@ -162,6 +162,8 @@ class Evaluation:
             "target_profile": profile_dict(self.profile),
             "settings": asdict(settings), "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "metrics": {}, "notes": [],
+            # what the runtime says of itself: e.g. where onnxruntime-genai's scores come from (logits_from)
+            "runtime_info": _runtime_info(rt),
         }
         if self.sub.streamed:
             self.results["notes"].append(
@@ -421,3 +423,12 @@ def evaluate(spec: str | None, settings: EvalSettings | None = None, store=None,
         return ev.run()
     finally:
         ev.close()
+
+
+def _runtime_info(rt) -> dict:
+    """The runtime's own facts (``Runtime.info``), JSON-safe; {} when it gives none."""
+    try:
+        info = rt.info()
+    except Exception:  # noqa: BLE001 - a runtime that cannot describe itself still evaluates
+        return {}
+    return {k: v for k, v in (info or {}).items() if isinstance(v, (str, int, float, bool, type(None)))}
