@@ -225,3 +225,51 @@ def test_a_changed_base_file_changes_every_job_that_depends_on_it(tmp_path, tiny
     changed = {(j.kind, json.dumps(j.labels, sort_keys=True)): j.id for j in build_jobs(load_study(f), tmp_path / "w")}
     assert changed.keys() == first.keys()
     assert all(first[k] != changed[k] for k in first)  # every job depends on the base's content
+
+
+def test_the_new_formats_are_exports_of_a_study(tmp_path, tiny_models):
+    """compressed-tensors (torch loads it) and onnxruntime-genai (its own runtime) as [[exports]]:
+    each is written once, evaluated in its runtime, and scores what the artifact scores."""
+    from conftest import require_import
+
+    require_import("compressed_tensors", "compressed-tensors is not installed (pip install 'slmedge[compressed-tensors]')")
+    require_import("onnxruntime_genai", "onnxruntime-genai is not installed (pip install 'slmedge[genai]')")
+    corpus, _ = study_data_files(tmp_path)
+    f = tmp_path / "formats.toml"
+    f.write_text(f'''name = "formats"
+models = ["{tiny_models("llama")}"]
+workdir = "work-formats"
+[evaluate]
+metrics = ["perplexity"]
+langs = []
+wikitext = false
+corpora = ["{corpus}"]
+seqlen = 32
+ppl_windows = 2
+threads = 1
+[[methods]]
+label = "rtn-w4"
+method = "rtn"
+bits = 4
+group_size = 32
+[[exports]]
+format = "none"
+[[exports]]
+format = "compressed-tensors"
+[[exports]]
+format = "onnxruntime-genai"
+''')
+    store = ResultsStore(tmp_path / "r.sqlite")
+    try:
+        counts = run_study(load_study(f), store)
+        assert counts["failed"] == 0 and counts["ran_by_kind"] == {"compress": 1, "export": 2, "evaluate": 3}
+        rows = {r["labels"]["format"]: r for r in load_rows(store, "formats")}
+        assert {k: r["runtime"] for k, r in rows.items()} == {"none": "torch", "compressed-tensors": "torch",
+                                                             "onnxruntime-genai": "onnxruntime-genai"}
+        ppl = {k: r["metrics"]["perplexity"]["c.txt"] for k, r in rows.items()}
+        assert ppl["compressed-tensors"] == pytest.approx(ppl["none"], rel=1e-5)
+        assert ppl["onnxruntime-genai"] == pytest.approx(ppl["none"], rel=2e-2)  # int4 kernels, fp16 embedding
+        assert rows["compressed-tensors"]["export"]["codes"] == "kept"
+        assert rows["onnxruntime-genai"]["export"]["codes"] == "kept"
+    finally:
+        store.close()

@@ -629,6 +629,8 @@ def export_compressed_tensors(source, out_dir, ctype: str = "auto", exact: bool 
             "type": "+".join(kinds),
             "compressed_tensors": ct.__version__,
             "codes_kept": sum(1 for r in report_layers.values() if r.get("codes_kept")),
+            # every coded linear placed as it is (a grid the format cannot hold is refused, never requantized)
+            "exact": qconfig is not None and any(r.get("codes_kept") for r in report_layers.values()),
             "layers": report_layers,
             "ignore": list(qconfig.ignore) if qconfig is not None else linears,
             "sparsity": sconfig.model_dump() if sconfig is not None else None,

@@ -48,7 +48,8 @@ def inspect_path(path) -> dict:
 
 def _what_inspect_takes(formats) -> str:
     files = " or ".join(f"a {f.suffix} file" for f in formats if f.single_file)
-    folders = " or ".join(f"{f.what} ({f.suffix} file or its folder)" for f in formats if not f.single_file)
+    folders = " or ".join(f"{f.what} ({f.suffix} file or its folder)" if f.suffix else f"{f.what} (its folder)"
+                          for f in formats if not f.single_file)
     return ", ".join(x for x in (files, folders) if x) + " or an slmedge artifact folder"
 
 
