@@ -529,11 +529,14 @@ def test_ctrl_c_is_one_line_and_130(when, tiny_models, tmp_path):
     130, and nothing left in the output's place."""
     import signal
 
+    def interruptible():  # a job started in the background by a shell inherits SIGINT ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     out = tmp_path / "out"
     args = ["compress", str(tiny_models("llama")), "--method", "gptq", "--nsamples", "8", "--seqlen", "64",
             "--calibration", "c4", "-o", str(out)]
     if when == "while loading":
-        proc = _cli(*args, cwd=tmp_path)
+        proc = _cli(*args, cwd=tmp_path, preexec_fn=interruptible)
         maps = Path(f"/proc/{proc.pid}/maps")
         deadline = time.monotonic() + (60 if maps.parent.parent.is_dir() else 1)  # without /proc: a second
         # Wait until torch's libraries are being mapped: the command line's modules are importing.
@@ -556,7 +559,7 @@ def test_ctrl_c_is_one_line_and_130(when, tiny_models, tmp_path):
                 f"sys.argv = ['slmedge', *{args!r}]\n"
                 "main()\n")
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, cwd=tmp_path)
+                                text=True, cwd=tmp_path, preexec_fn=interruptible)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err, err
