@@ -239,14 +239,9 @@ def torch_streamed(folder: Path | None, device: str = "cpu", streamed: bool | No
 
 def memory_available() -> int | None:
     """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from ..runtimes.memprobe import proc_kib_field
+
+    return proc_kib_field("/proc/meminfo", "MemAvailable")
 
 
 def _source_subject(spec, source, threads, device, trust_remote_code, base, streamed, identity=None) -> Subject:

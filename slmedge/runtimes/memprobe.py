@@ -6,17 +6,23 @@ from __future__ import annotations
 import resource
 
 
-def peak_rss() -> int:
-    """This process's high-water RSS. VmHWM belongs to the address space exec created, while
-    getrusage's ru_maxrss survives exec and can report the parent's peak from before the fork."""
+def proc_kib_field(path: str, key: str) -> int | None:
+    """A ``key: N kB`` line of a /proc file, in bytes (None where the file or the line is missing)."""
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
+
+
+def peak_rss() -> int:
+    """This process's high-water RSS. VmHWM belongs to the address space exec created, while
+    getrusage's ru_maxrss survives exec and can report the parent's peak from before the fork."""
+    found = proc_kib_field("/proc/self/status", "VmHWM")
+    return found if found is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def open_file_runtime(runtime: str, path: str, threads: int, n_ctx: int = 2048, gpu: bool = False,

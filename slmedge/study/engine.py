@@ -219,8 +219,10 @@ def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) 
 
 def _bytes(fmt, out: Path) -> int | None:
     """The bytes of an export's model files (what a device loads)."""
+    from ..evaluate.system import path_bytes
+
     try:
-        return sum(Path(f).stat().st_size for f in fmt.model_files(fmt.model_file(out)))
+        return path_bytes(fmt.model_file(out))
     except (OSError, ValueError):
         return None
 
