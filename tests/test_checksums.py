@@ -165,6 +165,46 @@ def test_a_gguf_slmedge_did_not_write_has_nothing_to_check(tmp_path):
     assert check_gguf(bare) is None
 
 
+def test_the_manifest_is_found_by_walking_the_header_as_ggufs_reader_finds_it(exports, tmp_path):
+    """The header walk (no object per vocabulary entry) finds the string where gguf.GGUFReader does,
+    past every value type; a truncated header is refused (ValueError), a missing key is None."""
+    import gguf
+
+    from slmedge.models.gguf_seal import MANIFEST_KEY, _reader_span, string_value_span
+
+    src = Path(exports["llama.cpp"])
+    assert string_value_span(src, MANIFEST_KEY) == _reader_span(src) is not None
+    odd = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(odd), "llama")
+    w.add_uint8("a.u8", 1)
+    w.add_int16("a.i16", -2)
+    w.add_float64("a.f64", 0.5)
+    w.add_bool("a.b", True)
+    w.add_array("a.strs", ["x", "yy", ""])
+    w.add_array("a.ints", [1, 2, 3])
+    w.add_string("a.text", "hello")
+    w.add_uint64("a.u64", 7)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    start, length = string_value_span(odd, "a.text")
+    assert odd.read_bytes()[start:start + length] == b"hello"
+    assert (start, length) == gguf_span(odd, "a.text")
+    assert string_value_span(odd, "a.missing") is None
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(odd.read_bytes()[:start - 3])
+    with pytest.raises(ValueError):
+        string_value_span(cut, "a.text")
+
+
+def gguf_span(path, key):
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields[key]
+    return field.offset + sum(int(p.nbytes) for p in field.parts[:field.data[0]]), int(field.parts[field.data[0]].nbytes)
+
+
 # --- caches -----------------------------------------------------------------------------------------
 
 

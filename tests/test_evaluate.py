@@ -383,7 +383,9 @@ def test_token_scores_in_torch_and_in_numpy_agree():
     in_torch, greedy = _token_scores(logits, targets, in_torch=True)  # the torch runtime's
     in_numpy, greedy2 = _token_scores(logits, targets)  # the other runtimes' (targets may lack torch)
     assert in_torch.dtype == in_numpy.dtype == np.float64
-    assert np.abs(in_torch - want).max() < 1e-9 and np.abs(in_numpy - want).max() < 1e-9
+    assert np.abs(in_torch - want).max() < 1e-9
+    # numpy's exponentials are taken in float32 (summed in float64): each within ~1e-7 relative
+    assert np.abs(in_numpy - want).max() < 1e-7
     assert greedy is greedy2 is False
     assert _token_scores(logits, logits.argmax(-1))[1] is True
 

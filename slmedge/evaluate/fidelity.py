@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import SlmedgeError
 from ..paths import cache_dir
-from .perplexity import log_softmax_np, rolling_windows
+from .perplexity import _encode_enough, log_softmax_np, rolling_windows
 
 PROBE = "The quick brown fox jumps over the lazy dog. Zürich, 2024: naïve café — 東京 and भारत."
 
@@ -97,7 +97,7 @@ def fidelity(candidate, reference, text: str, seqlen: int = 512, max_windows: in
     cand_rt, cand_enc = candidate
     ref_rt, ref_enc = reference
     check_same_tokenizer(cand_enc, ref_enc, text)
-    ids = cand_enc.encode(text)
+    ids, _ = _encode_enough(cand_enc, text, seqlen, None, max_windows, with_bytes=False)  # the windows' tokens, not the whole corpus's
     windows = [ids[a:b] for a, b, _ in rolling_windows(len(ids), seqlen, None, max_windows)]
     with_hidden = cand_rt.hidden_states([1, 2]) is not None and ref_rt.hidden_states([1, 2]) is not None
     ref_lps, ref_hid, cached = reference_outputs(ref_rt, windows, reference_id or ref_rt.name, with_hidden, progress)
@@ -105,11 +105,12 @@ def fidelity(candidate, reference, text: str, seqlen: int = 512, max_windows: in
     sig = noise = 0.0
     for i, (w, (logits, h)) in enumerate(zip(windows, cand_rt.sequence_outputs(windows, with_hidden))):
         lq = log_softmax_np(logits)[:-1]
-        lp = ref_lps[i].astype(np.float64)
-        if lp.shape[1] != lq.shape[1]:
-            n = min(lp.shape[1], lq.shape[1])  # padded vocabularies: compare the shared part
-            lp, lq = lp[:, :n], lq[:, :n]
-        p = np.exp(lp)
+        lp32 = ref_lps[i]
+        if lp32.shape[1] != lq.shape[1]:
+            n = min(lp32.shape[1], lq.shape[1])  # padded vocabularies: compare the shared part
+            lp32, lq = lp32[:, :n], lq[:, :n]
+        lp = lp32.astype(np.float64)
+        p = np.exp(lp32).astype(np.float64)  # (float32 exponentials: ~1e-7 relative, 50x faster than float64's)
         kls.append((p * (lp - lq)).sum(-1))
         top1.append(lp.argmax(-1) == lq.argmax(-1))
         t = np.asarray(w[1:])

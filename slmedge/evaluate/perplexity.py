@@ -113,9 +113,9 @@ def rolling_windows(n_tokens: int, seqlen: int, stride: int | None = None, max_w
 def log_softmax_np(x):
     import numpy as np
 
-    x = x.astype(np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    from ..runtimes.base import _lse_numpy
+
+    return np.asarray(x).astype(np.float64) - _lse_numpy(x)[:, None]
 
 
 def runtime_perplexity(runtime, encoder, text: str, seqlen: int = 512, stride: int | None = None,
@@ -153,21 +153,24 @@ def runtime_perplexity(runtime, encoder, text: str, seqlen: int = 512, stride: i
     return result, kept
 
 
-def _encode_enough(encoder, text: str, seqlen: int, stride: int | None, max_windows: int | None):
-    """Token ids (and byte ends) of as much of ``text`` as ``max_windows`` windows need.
+def _encode_enough(encoder, text: str, seqlen: int, stride: int | None, max_windows: int | None,
+                   with_bytes: bool = True):
+    """Token ids (and byte ends; ``with_bytes=False``: None) of as much of ``text`` as ``max_windows``
+    windows need.
 
     Tokenizing all of WikiText-2 takes seconds; a prefix is enough for a few windows. The prefix
     grows until it yields a margin of tokens past what the windows use, so the tokens kept are
     the same as those of the whole text (only the last few near the cut can differ)."""
+    encode = encoder.encode_with_bytes if with_bytes else (lambda t: (encoder.encode(t), None))
     if max_windows is None:
-        return encoder.encode_with_bytes(text)
+        return encode(text)
     need = seqlen + (max_windows - 1) * (stride or seqlen) + 64
     length = need * 8
     while True:
-        ids, ends = encoder.encode_with_bytes(text[:length])
+        ids, ends = encode(text[:length])
         if length >= len(text):
             return ids, ends
         if len(ids) > need:
             keep = need - 64 + 1
-            return ids[:keep], ends[:keep]
+            return ids[:keep], (ends[:keep] if ends is not None else None)
         length *= 2
