@@ -10,6 +10,7 @@ access to it (their outputs need a filesystem the cluster shares).
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -80,7 +81,8 @@ class StudyStore:
             self.db.execute("INSERT INTO study_events (study, job_id, event, detail, at) VALUES (?, ?, ?, ?, ?)",
                             (study, job_id, event, detail, _now()))
 
-    def finish(self, study: str, job: Job, result: dict) -> None:
+    def finish(self, study: str, job: Job, result: dict) -> int | None:
+        """Record a finished job (an evaluation's rows as a run of the store); returns that run's id."""
         run_id = None
         if job.kind == "evaluate":
             calls = result["rows"]
@@ -95,6 +97,7 @@ class StudyStore:
                              json.dumps(result["facts"], sort_keys=True) if result.get("facts") else None, study, job.id))
             self.db.execute("INSERT INTO study_events (study, job_id, event, detail, at) VALUES (?, ?, 'finished', ?, ?)",
                             (study, job.id, "reused" if result.get("reused") else None, _now()))
+        return run_id
 
     def fail(self, study: str, job: Job, error: str) -> None:
         with self.db:
@@ -208,13 +211,71 @@ def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) 
     ev.setdefault("threads", threads)
     ev["data_dir"] = data_dir
     rec = _RowRecorder()
-    results = evaluate(job["output"], EvalSettings(**ev, target=spec["target"]), store=rec)
+    if "same_as" in spec:
+        results, carried = _evaluate_same_as(job, EvalSettings(**ev, target=spec["target"]), rec)
+    else:
+        results, carried = evaluate(job["output"], EvalSettings(**ev, target=spec["target"]), store=rec), None
     facts = levels.evaluated_level(job["output"], job["labels"], results)
+    if carried is not None:
+        facts["same_as"] = carried
     if job["labels"].get("format") not in (None, "none"):
         settings = EvalSettings(**ev)
         facts["projections"] = levels.projections(job["labels"]["format"], Path(job["output"]),
                                                   settings.pp + settings.tg // 2)
     return {"rows": rec.calls, "results": results, "seconds": time.perf_counter() - t0, "facts": facts}
+
+
+def _evaluate_same_as(job: dict, settings, rec) -> tuple[dict, dict]:
+    """An evaluation that takes another target's exactness numbers when a probe shows this target
+    computes them alike (study/carry.py); otherwise it measures everything here, as without same_as.
+    Returns (results, what the probe found)."""
+    from ..evaluate.api import Evaluation
+    from ..evaluate.subject import open_on_target
+    from ..targets.profiles import get_profile
+    from . import carry
+
+    spec, same = job["spec"], job["spec"]["same_as"]
+    n_ctx = max(settings.context, settings.seqlen, same["probe_tokens"] + 8)
+    sub = open_on_target(job["output"], settings.runtime, settings.threads, n_ctx, get_profile(settings.target))
+    ev = Evaluation(job["output"], settings, store=rec, subject=sub)
+    try:
+        ids = carry.probe_ids(sub.encoder, same["probe_tokens"], settings.data_dir)
+        here = carry.token_logprobs(sub.runtime, ids)
+        there = carry.reference_logprobs(job["output"], same["target"], sub.runtime.name, settings.threads, ids, n_ctx)
+        verdict = {"target": same["target"], "job": same["job"], **carry.compare(here, there, same["probe_tolerance"])}
+        extra = {"against": same["target"], "tokens": verdict["tokens"]}
+        if verdict["same"]:
+            source = job.get("same_as_run") or {}
+            rows = carry.carried_rows(source.get("rows") or [], settings.metrics)
+            # The run carries the settings its numbers were measured with: the other target's.
+            ev._run_args = (ev._run_args[0][:6] + ({**(source.get("settings") or {}), "target": settings.target,
+                                                    "same_as": verdict},), ev._run_args[1])
+            ev.check_inputs = lambda: None
+            ev._record_run()
+            for r in rows:
+                ev._row(r["metric"], r["value"], r["subset"], r["stderr"], r["unit"],
+                        {**(r["extra"] or {}), "carried_from": same["target"]})
+            ev.results["carried_from"] = same["target"]
+            ev.results["notes"].append(
+                f"perplexity, fidelity and tasks are {same['target']}'s numbers for this file: a probe of "
+                f"{verdict['tokens']} tokens scored every token within {verdict['max_abs_dlogp']:.2g} nats of it "
+                f"(tolerance {same['probe_tolerance']:g})")
+            for name, value in (("probe_max_abs_dlogp", verdict["max_abs_dlogp"]),
+                                ("probe_mean_abs_dlogp", verdict["mean_abs_dlogp"])):
+                ev._row(name, value, "wikitext2", None, "nats", extra)
+            ev._end_run(None)
+        else:
+            ev.results["notes"].append(
+                f"measured here: a probe of {verdict['tokens']} tokens differed from {same['target']} by up to "
+                f"{verdict['max_abs_dlogp']:.3g} nats, past the tolerance of {same['probe_tolerance']:g}")
+            ev.run()
+            for name, value in (("probe_max_abs_dlogp", verdict["max_abs_dlogp"]),
+                                ("probe_mean_abs_dlogp", verdict["mean_abs_dlogp"])):
+                ev._row(name, value if math.isfinite(value) else None, "wikitext2", None, "nats", extra)
+        ev.results["same_as"] = verdict
+        return ev.results, {k: v for k, v in verdict.items() if k != "job"}
+    finally:
+        ev.close()
 
 
 def _bytes(fmt, out: Path) -> int | None:
@@ -378,6 +439,10 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
                     if j.kind == "export":
                         dep = j.spec["source"]
                         payload["source_path"] = done[dep]["output"] if dep in done else dep
+                    if j.kind == "evaluate" and "same_as" in j.spec:  # the rows it may carry over
+                        from .carry import run_rows
+
+                        payload["same_as_run"] = run_rows(store, done[j.spec["same_as"]["job"]]["run_id"])
                     needs_gpu = j.kind == "evaluate" and _on_gpu(j.spec["target"])
                     ss.event(study.name, j.id, "started")
                     running[pool.submit(payload, threads, data_dir, needs_gpu)] = j
@@ -394,8 +459,7 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
                     counts["failed"] += 1
                     disk_is_full = disk_is_full or disk_full(exc)
                 else:
-                    ss.finish(study.name, j, res)
-                    done[j.id] = {"output": res.get("output")}
+                    done[j.id] = {"output": res.get("output"), "run_id": ss.finish(study.name, j, res)}
                     counts["reused" if res.get("reused") else "ran"] += 1
                     if not res.get("reused"):
                         counts["ran_by_kind"][j.kind] += 1

@@ -109,11 +109,19 @@ def build_jobs(study: Study, workdir: Path, data_dir=None) -> list[Job]:
                         out = workdir / "exports" / get_format(exp.format).output_name(eid)
                         ex = add(Job(eid, "export", spec, labels, list(source_dep), str(out)))
                         subject, deps, reads = ex.output, [ex.id], {}
-                    for target in study.targets:
+                    ids: dict[str, str] = {}
+                    # a target that takes another's numbers (same_as) after it: its job names that one's
+                    for target in sorted(study.targets, key=lambda t: t in study.same_as):
                         spec = {"kind": "evaluate", "subject": deps[0] if deps else model, "target": target,
                                 "settings": ev_settings[target],
                                 "inputs": {**reads, "data": ev_data[target], "target_profile": profiles[target],
                                            "versions": ins.versions(pkgs, code)}}
-                        add(Job(_id(spec), "evaluate", spec, {**labels, "target": target}, list(deps), subject))
+                        after = []
+                        carry = study.same_as.get(target)
+                        if carry is not None and exp.format != "none":  # a torch artifact runs here only
+                            spec["same_as"] = {**carry, "job": ids[carry["target"]]}
+                            after = [ids[carry["target"]]]
+                        ids[target] = add(Job(_id(spec), "evaluate", spec, {**labels, "target": target},
+                                              [*deps, *after], subject)).id
     ins.save_hashes()  # the next run finds unchanged files' hashes without reading them
     return list(jobs.values())

@@ -238,6 +238,7 @@ def caveats(rows: list[dict]) -> list[str]:
     if any(r["emulated"] for r in rows):
         out.append("Rows marked emulated ran under qemu: their timings are not device latency (the roofline there is a "
                    "projection).")
+    out.extend(_same_as_caveats(rows))
     limits = {r["settings"].get("limit") for r in rows} - {None}
     if limits:
         out.append(f"Task accuracy is on the first {', '.join(map(str, sorted(limits)))} items per task: standard errors "
@@ -247,6 +248,27 @@ def caveats(rows: list[dict]) -> list[str]:
         out.append("Perplexity over " + ", ".join(f"{w or 'all'} window(s) of {s} tokens" for w, s in sorted(windows, key=str))
                    + " per language: a sample, not the whole corpus.")
     out.append("A single metric misleads: read fidelity, multilingual perplexity and task accuracy together.")
+    return out
+
+
+def _same_as_caveats(rows: list[dict]) -> list[str]:
+    """Per target that takes another's numbers (same_as): how many files did, and what the probes saw."""
+    out = []
+    by_target: dict = defaultdict(list)
+    for r in rows:
+        probe = (r.get("facts") or {}).get("same_as")
+        if probe:
+            by_target[(r["target"], probe["target"])].append(probe)
+    for (target, other), probes in sorted(by_target.items()):
+        same = [p for p in probes if p.get("same")]
+        worst = max((p["max_abs_dlogp"] for p in same), default=None)
+        line = (f"On {target}, {len(same)} of {len(probes)} files' perplexity, fidelity and task numbers are {other}'s: "
+                f"a probe of {same[0]['tokens'] if same else probes[0]['tokens']} tokens scored each of them within "
+                f"{probes[0]['tolerance']:g} nats of {other} per token")
+        line += f" (largest difference {worst:.2g} nats)." if worst is not None else "."
+        if len(same) < len(probes):
+            line += f" The other {len(probes) - len(same)} differed more and were measured on {target} itself."
+        out.append(line)
     return out
 
 

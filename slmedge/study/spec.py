@@ -18,6 +18,9 @@
     [evaluate.arm64]       # what differs on one target: here, exactness on fewer items
     metrics = ["perplexity", "fidelity", "tasks"]
     limit = 20
+    same_as = "cpu"        # or: cpu's exactness numbers, once a probe shows arm64 computes them alike
+    probe_tokens = 128     #   (per-token log-probs of the file's first WikiText-2 tokens on both
+    probe_tolerance = 0.01 #   targets, max |difference| in nats; past it the target measures itself)
 
     [[methods]]            # one entry per compression setting; "none" is the base model; the keys
     method = "none"        # are Recipe fields (block_size, awq_clip, skip, ...) less [calibration]'s
@@ -73,6 +76,13 @@ METHOD_SET_BY_STUDY = {
     **{f: "set for every method in [calibration]" for f in CALIBRATION_FIELDS.values()},
     "seed": "the study's seeds = [...] (each method runs once per seed)",
 }
+# [evaluate.<target>] keys that are no EvalSettings field: a target whose exactness numbers are
+# another target's once a probe proves they compute the same (study/carry.py).
+SAME_AS_KEYS = {"same_as": str, "probe_tokens": int, "probe_tolerance": float}
+SAME_AS_DEFAULTS = {"probe_tokens": 128, "probe_tolerance": 0.01}
+# The metrics a probe can prove identical: what the file computes. Memory and speed are the device's own.
+CARRIED_METRICS = ("perplexity", "fidelity", "tasks")
+
 # EvalSettings fields [evaluate] cannot set, and why (every other field is an [evaluate] key).
 EVAL_SET_BY_STUDY = {
     "target": "each of the study's targets = [...]",
@@ -207,6 +217,7 @@ class Study:
     description: str = ""
     workdir: str = ""
     per_target: dict = field(default_factory=dict)  # target -> [evaluate.<target>]
+    same_as: dict = field(default_factory=dict)  # target -> {"target", "probe_tokens", "probe_tolerance"}
 
     def evaluate_for(self, target: str) -> dict:
         """The [evaluate] settings on ``target``: [evaluate] with its [evaluate.<target>] over it."""
@@ -305,12 +316,22 @@ def load_study(path) -> Study:
     per_target = {k: v for k, v in ev.items() if isinstance(v, dict)}
     ev = {k: v for k, v in ev.items() if k not in per_target}
     _check_types(ev, kinds["evaluate"], file, lines, ("evaluate",))
+    same_as: dict = {}
     for t, table in per_target.items():  # a known target the study does not list now is allowed (unused)
         try:
             get_profile(t)
         except ConfigError as exc:
             _fail(file, lines, (f"evaluate.{t}",), f"[evaluate.{t}] names no target: {exc}")
+        carry = {k: table[k] for k in SAME_AS_KEYS if k in table}
+        table = per_target[t] = {k: v for k, v in table.items() if k not in SAME_AS_KEYS}
+        _check_types(carry, SAME_AS_KEYS, file, lines, (f"evaluate.{t}",))
         _check_types(table, kinds["evaluate"], file, lines, (f"evaluate.{t}",))
+        if carry:
+            same_as[t] = _same_as(t, carry, ev, per_target, targets, file, lines)
+    for t, carry in same_as.items():
+        if carry["target"] in same_as:
+            _fail(file, lines, (f"evaluate.{t}", "same_as"), f"{t} takes {carry['target']}'s numbers, which are "
+                  f"themselves {same_as[carry['target']]['target']}'s: name {same_as[carry['target']]['target']}")
 
     methods, labels = [], set()
     for i, m in enumerate(data["methods"]):
@@ -381,7 +402,44 @@ def load_study(path) -> Study:
             _fail(file, lines, (table,), f"[{table}]: {exc}")
     return Study(name=data.get("name") or file.stem, path=file, models=list(data["models"]), seeds=list(seeds),
                  targets=list(targets), calibration=calib, evaluate=ev, methods=methods, exports=exports,
-                 description=data.get("description", ""), workdir=data.get("workdir", ""), per_target=per_target)
+                 description=data.get("description", ""), workdir=data.get("workdir", ""), per_target=per_target,
+                 same_as={t: v for t, v in same_as.items() if t in targets})
+
+
+def _same_as(t: str, carry: dict, ev: dict, per_target: dict, targets: list, file: Path, lines: "_Lines") -> dict:
+    """[evaluate.<t>]'s same_as, probe_tokens and probe_tolerance, checked."""
+    where = (f"evaluate.{t}",)
+    other = carry.get("same_as")
+    if other is None:
+        key = next(iter(carry))
+        _fail(file, lines, (*where, key), f"'{key}' goes with same_as = \"<target>\" (whose numbers {t} takes)")
+    if other == t:
+        _fail(file, lines, (*where, "same_as"), f"[evaluate.{t}] same_as names {t} itself")
+    if other not in targets:
+        _fail(file, lines, (*where, "same_as"), f"same_as = \"{other}\": the study's targets are "
+              f"{', '.join(targets)}; the target whose numbers {t} takes must be one of them")
+    mine = {**ev, **per_target.get(t, {})}.get("metrics", ev.get("metrics"))
+    theirs = {**ev, **per_target.get(other, {})}.get("metrics", ev.get("metrics"))
+    from ..evaluate.api import BUILTIN_METRICS
+
+    mine = list(mine if mine is not None else BUILTIN_METRICS)
+    theirs = list(theirs if theirs is not None else BUILTIN_METRICS)
+    own = [m for m in mine if m not in CARRIED_METRICS]
+    if own:
+        _fail(file, lines, (*where, "metrics"), f"with same_as, [evaluate.{t}] takes only {other}'s "
+              f"{', '.join(CARRIED_METRICS)} (what a probe can prove the same); {', '.join(own)} is the device's own: "
+              "measure it without same_as")
+    missing = [m for m in mine if m not in theirs]
+    if missing:
+        _fail(file, lines, (*where, "metrics"), f"[evaluate.{t}] takes {', '.join(missing)} from {other}, "
+              f"which does not measure it (add it to [evaluate] or [evaluate.{other}])")
+    out = {"target": other, **SAME_AS_DEFAULTS, **{k: v for k, v in carry.items() if k != "same_as"}}
+    if isinstance(out["probe_tokens"], bool) or not 16 <= out["probe_tokens"] <= 4096:
+        _fail(file, lines, (*where, "probe_tokens"), f"probe_tokens must be 16..4096, got {out['probe_tokens']}")
+    tol = out["probe_tolerance"]
+    if isinstance(tol, bool) or not (tol >= 0 and tol < float("inf")):
+        _fail(file, lines, (*where, "probe_tolerance"), f"probe_tolerance must be a finite number >= 0 (nats), got {tol}")
+    return out
 
 
 def _check_models(models: list, file: Path, lines: _Lines) -> None:
