@@ -260,18 +260,16 @@ def _evaluate_same_as(job: dict, settings, rec) -> tuple[dict, dict]:
                 f"perplexity, fidelity and tasks are {same['target']}'s numbers for this file: a probe of "
                 f"{verdict['tokens']} tokens scored every token within {verdict['max_abs_dlogp']:.2g} nats of it "
                 f"(tolerance {same['probe_tolerance']:g})")
-            for name, value in (("probe_max_abs_dlogp", verdict["max_abs_dlogp"]),
-                                ("probe_mean_abs_dlogp", verdict["mean_abs_dlogp"])):
-                ev._row(name, value, "wikitext2", None, "nats", extra)
-            ev._end_run(None)
         else:
             ev.results["notes"].append(
                 f"measured here: a probe of {verdict['tokens']} tokens differed from {same['target']} by up to "
                 f"{verdict['max_abs_dlogp']:.3g} nats, past the tolerance of {same['probe_tolerance']:g}")
             ev.run()
-            for name, value in (("probe_max_abs_dlogp", verdict["max_abs_dlogp"]),
-                                ("probe_mean_abs_dlogp", verdict["mean_abs_dlogp"])):
-                ev._row(name, value if math.isfinite(value) else None, "wikitext2", None, "nats", extra)
+        for name in ("max_abs_dlogp", "mean_abs_dlogp"):  # the probe's own rows, either way
+            value = verdict[name]
+            ev._row(f"probe_{name}", value if math.isfinite(value) else None, "wikitext2", None, "nats", extra)
+        if verdict["same"]:
+            ev._end_run(None)  # (ev.run ends its own run)
         ev.results["same_as"] = verdict
         return ev.results, {k: v for k, v in verdict.items() if k != "job"}
     finally:
