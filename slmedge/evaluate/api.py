@@ -202,10 +202,14 @@ class Evaluation:
                 load_task(task, s.data_dir, s.limit)
         self._inputs_checked = True
 
-    def _record_run(self) -> None:
+    def _record_run(self, settings: dict | None = None) -> None:
+        """Record the run in the store once; ``settings``: those its numbers were measured with, when
+        not this evaluation's own (a study target that takes another's rows, study/engine.py)."""
         if self.store is None or self.run_id is not None:
             return
         args, kwargs = self._run_args
+        if settings is not None:
+            args = (*args[:-1], settings)
         # A store that knows run statuses records the run as running until it ends; the study's
         # row recorder (and any store without them) takes the one-shot start_run.
         begin = getattr(self.store, "begin_run", None)

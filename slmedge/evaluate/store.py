@@ -291,10 +291,11 @@ class ResultsStore:
                  json.dumps(extra, sort_keys=True, default=str) if extra else None, _now()))
 
     def rows(self, run_id: int | None = None, include_unfinished: bool = False) -> list[dict]:
-        """One dict per result row, each with its run's ``status``. The rows of one run whatever its
-        status (``run_id``); else those of finished ('done') runs only, unless ``include_unfinished``."""
+        """One dict per result row, each with its run's ``status`` (``extra``: the row's extra dict, or None).
+        The rows of one run whatever its status (``run_id``); else those of finished ('done') runs only,
+        unless ``include_unfinished``."""
         sql = ("SELECT r.id, r.model, r.artifact_sha256, r.runtime, r.threads, r.target, r.emulated, r.status, "
-               "x.metric, x.subset, x.value, x.stderr, x.unit FROM results x JOIN runs r ON r.id = x.run_id")
+               "x.metric, x.subset, x.value, x.stderr, x.unit, x.extra FROM results x JOIN runs r ON r.id = x.run_id")
         args: tuple = ()
         if run_id is not None:
             sql += " WHERE r.id = ?"
@@ -302,8 +303,16 @@ class ResultsStore:
         elif not include_unfinished:
             sql += " WHERE r.status = 'done'"
         cols = ["run", "model", "artifact_sha256", "runtime", "threads", "target", "emulated", "status", "metric",
-                "subset", "value", "stderr", "unit"]
-        return [dict(zip(cols, row)) for row in self.db.execute(sql + " ORDER BY x.id", args)]
+                "subset", "value", "stderr", "unit", "extra"]
+        out = [dict(zip(cols, row)) for row in self.db.execute(sql + " ORDER BY x.id", args)]
+        for r in out:
+            r["extra"] = json.loads(r["extra"]) if r["extra"] else None
+        return out
+
+    def run_settings(self, run_id: int) -> dict:
+        """The settings a run was measured with ({} for no such run)."""
+        row = self.db.execute("SELECT settings FROM runs WHERE id = ?", (run_id,)).fetchone()
+        return json.loads(row[0]) if row else {}
 
     def close(self) -> None:
         self.db.close()

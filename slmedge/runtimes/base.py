@@ -162,8 +162,9 @@ def _logsumexp_rows(x: np.ndarray, in_torch: bool = False) -> np.ndarray:
 
 def _lse_numpy(x: np.ndarray) -> np.ndarray:
     """Each row's log-sum-exp: the exponentials in float32 (every one in (0, 1], relative error ~1e-7),
-    summed in float64. A float64 copy of the whole row block made the exponentials 50x slower (3 s per
-    512 x 49,152 window on this CPU against 0.06 s), and the result differs by ~1e-9."""
+    summed in float64. A float64 copy of the whole row block made the exponentials ~30x slower (~1.2 s per
+    512 x 49,152 window on this CPU against 0.04 s); the result is within 4e-8 of float64's (5e-9 on
+    unit-scale logits)."""
     x = np.asarray(x)
     if x.dtype != np.float32:
         x = x.astype(np.float32)

@@ -14,7 +14,6 @@ Memory and speed are the device's own and are never carried (the study refuses t
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -30,16 +29,12 @@ METRIC_ROWS = {
 
 def probe_ids(encoder, tokens: int, data_dir=None) -> list[int]:
     """The first ``tokens`` + 1 token ids of WikiText-2 (the first one is context, never scored)."""
-    from ..evaluate.corpora import load_corpus
     from ..errors import DataError
+    from ..evaluate.corpora import load_corpus
+    from ..evaluate.perplexity import _encode_enough
 
-    text = load_corpus("wikitext2", data_dir)
-    length = 16 * (tokens + 1)
-    while True:
-        ids = encoder.encode(text[:length])
-        if len(ids) > tokens + 1 + 16 or length >= len(text):
-            break
-        length *= 2
+    # as a perplexity window of ``tokens`` + 1 tokens is tokenized: from a prefix of the corpus
+    ids, _ = _encode_enough(encoder, load_corpus("wikitext2", data_dir), tokens, None, 1, with_bytes=False)
     if len(ids) < tokens + 1:
         raise DataError(f"WikiText-2 gave {len(ids)} tokens, fewer than the {tokens}-token probe")
     return ids[: tokens + 1]
@@ -82,9 +77,6 @@ def carried_rows(rows: list[dict], metrics) -> list[dict]:
 
 
 def run_rows(store, run_id: int) -> dict:
-    """A finished evaluation's run (its settings) and rows, as the store holds them."""
-    run = store.db.execute("SELECT settings FROM runs WHERE id = ?", (run_id,)).fetchone()
-    rows = [{"metric": m, "subset": s, "value": v, "stderr": e, "unit": u, "extra": json.loads(x) if x else None}
-            for m, s, v, e, u, x in store.db.execute(
-                "SELECT metric, subset, value, stderr, unit, extra FROM results WHERE run_id = ? ORDER BY id", (run_id,))]
-    return {"settings": json.loads(run[0]) if run else {}, "rows": rows}
+    """A finished evaluation's settings and rows (metric, subset, value, stderr, unit, extra), as the store holds them."""
+    keys = ("metric", "subset", "value", "stderr", "unit", "extra")
+    return {"settings": store.run_settings(run_id), "rows": [{k: r[k] for k in keys} for r in store.rows(run_id)]}

@@ -248,10 +248,7 @@ def _evaluate_same_as(job: dict, settings, rec) -> tuple[dict, dict]:
             source = job.get("same_as_run") or {}
             rows = carry.carried_rows(source.get("rows") or [], settings.metrics)
             # The run carries the settings its numbers were measured with: the other target's.
-            ev._run_args = (ev._run_args[0][:6] + ({**(source.get("settings") or {}), "target": settings.target,
-                                                    "same_as": verdict},), ev._run_args[1])
-            ev.check_inputs = lambda: None
-            ev._record_run()
+            ev._record_run({**(source.get("settings") or {}), "target": settings.target, "same_as": verdict})
             for r in rows:
                 ev._row(r["metric"], r["value"], r["subset"], r["stderr"], r["unit"],
                         {**(r["extra"] or {}), "carried_from": same["target"]})

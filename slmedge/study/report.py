@@ -263,7 +263,7 @@ def _same_as_caveats(rows: list[dict]) -> list[str]:
         same = [p for p in probes if p.get("same")]
         worst = max((p["max_abs_dlogp"] for p in same), default=None)
         line = (f"On {target}, {len(same)} of {len(probes)} files' perplexity, fidelity and task numbers are {other}'s: "
-                f"a probe of {same[0]['tokens'] if same else probes[0]['tokens']} tokens scored each of them within "
+                f"a probe of {probes[0]['tokens']} tokens scored each of them within "
                 f"{probes[0]['tolerance']:g} nats of {other} per token")
         line += f" (largest difference {worst:.2g} nats)." if worst is not None else "."
         if len(same) < len(probes):

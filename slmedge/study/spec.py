@@ -418,12 +418,13 @@ def _same_as(t: str, carry: dict, ev: dict, per_target: dict, targets: list, fil
     if other not in targets:
         _fail(file, lines, (*where, "same_as"), f"same_as = \"{other}\": the study's targets are "
               f"{', '.join(targets)}; the target whose numbers {t} takes must be one of them")
-    mine = {**ev, **per_target.get(t, {})}.get("metrics", ev.get("metrics"))
-    theirs = {**ev, **per_target.get(other, {})}.get("metrics", ev.get("metrics"))
     from ..evaluate.api import BUILTIN_METRICS
 
-    mine = list(mine if mine is not None else BUILTIN_METRICS)
-    theirs = list(theirs if theirs is not None else BUILTIN_METRICS)
+    def metrics_of(target: str) -> list:
+        found = {**ev, **per_target.get(target, {})}.get("metrics")
+        return list(BUILTIN_METRICS if found is None else found)
+
+    mine, theirs = metrics_of(t), metrics_of(other)
     own = [m for m in mine if m not in CARRIED_METRICS]
     if own:
         _fail(file, lines, (*where, "metrics"), f"with same_as, [evaluate.{t}] takes only {other}'s "
