@@ -7,6 +7,7 @@ warm-up run on a tiny model, so that imports and lazily loaded modules are in th
 
     bf16 size of the model + one block in fp32 + the tensors outside the blocks in fp32
     + the calibration activations x 3 (the inputs, a block's outputs, statistics' temporaries)
+    + the true-sequential short-cuts' records (GPTQ: the inputs of o_proj, the MLP and down_proj)
     + ALLOWANCE
 
 ALLOWANCE (192 MiB) is the fixed part: the artifact's compact tensors, held until they are written
@@ -101,6 +102,7 @@ def _peak(model_100m, tmp_path, method: str, write: bool = True) -> dict:
 
 def _budget(m: dict) -> int:
     activations = NSAMPLES * SEQLEN * HIDDEN * 4 * 3
+    activations += NSAMPLES * SEQLEN * (HIDDEN + HIDDEN + INTERMEDIATE) * 4  # compress.shortcuts.plan_bytes
     return 2 * m["params"] + 4 * m["block"] + 4 * m["outside"] + activations + ALLOWANCE
 
 

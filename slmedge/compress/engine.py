@@ -10,6 +10,7 @@ one linear (or, for a block-level method such as AWQ, ``Method.block_level``, on
 from __future__ import annotations
 
 import fnmatch
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -18,11 +19,13 @@ import torch
 
 from ..errors import ConfigError
 from ..models.architectures import Architecture
+from ..runtimes.memprobe import proc_kib_field
 from .blocks import BlockInputs, run_block
 from .hooks import StopForward, linear_inputs, module_calls
 from .methods import get_method
 from .methods.base import LinearResult
 from .recipe import Recipe
+from .shortcuts import BlockShortcuts, Checks, plan_bytes
 
 __all__ = ["BlockInputs", "CompressionResult", "Sink", "block_linears", "capture_inputs", "collect_stats",
            "compress_model", "is_skipped", "resolve_device", "run_block"]
@@ -159,6 +162,7 @@ def compress_model(
     device: str | torch.device | None = "cpu",
     progress: Progress | None = None,
     sink: Sink | None = None,
+    shortcuts: bool = True,
 ) -> CompressionResult:
     """Compress ``model`` in place and return what was done to each linear.
 
@@ -171,6 +175,10 @@ def compress_model(
     freed (its tensors moved to the meta device), and its results keep only their spec (``_slim``;
     ``CompressionResult.counts`` has what the summary needs), so that no more than one block is ever in fp32. Without
     one the model stays whole, compressed in memory, and the results keep their tensors.
+
+    True-sequential passes skip what has not changed since an earlier pass (``compress.shortcuts``:
+    the same bits, about half the block forwards) where the recorded activations fit in memory;
+    ``shortcuts=False`` runs every pass from the block's input.
     """
     device = resolve_device(device) if not isinstance(device, torch.device) else device
     info = get_method(recipe.method)
@@ -192,6 +200,8 @@ def compress_model(
         inputs = capture_inputs(model, arch, batches, device)
         result.timings["capture_s"] = time.perf_counter() - started
 
+    checks = None  # the short-cuts' checks (shortcuts.Checks), False where they do not fit
+    plan = None
     for idx, layer in enumerate(layers):
         prefix = f"{arch.layers}.{idx}"
         layer.to(device, torch.float32)
@@ -205,20 +215,29 @@ def compress_model(
                 found[name] = _apply(linear, method.compress(name, linear.weight.data.float(), None))
         else:
             sequential = method.true_sequential if recipe.true_sequential is None else recipe.true_sequential
-            groups = arch.sequential if sequential else (arch.linear_names,)
-            for group in groups:
-                todo = {f"{prefix}.{rel}": linears[f"{prefix}.{rel}"] for rel in group if f"{prefix}.{rel}" in linears}
-                if not todo:
-                    continue
-                stats = collect_stats(layer, idx, todo, inputs, method.stats_class, device)
+            groups = [[rel for rel in group if f"{prefix}.{rel}" in linears]
+                      for group in (arch.sequential if sequential else (arch.linear_names,))]
+            groups = [group for group in groups if group]
+            if shortcuts and len(groups) > 1 and checks is not False:
+                if checks is None:  # decided once, on the first block (every block has the same widths)
+                    checks = Checks() if _shortcuts_fit(layer, groups, inputs, device) else False
+                plan = BlockShortcuts(layer, groups, checks) if checks else None
+            for gi, group in enumerate(groups):
+                todo = {f"{prefix}.{rel}": linears[f"{prefix}.{rel}"] for rel in group}
+                stats = collect_stats(layer, idx, todo, inputs, method.stats_class, device,
+                                      forward=None if plan is None else functools.partial(plan.forward, gi))
                 for name, linear in todo.items():
                     found[name] = _apply(linear, method.compress(name, linear.weight.data.float(), stats[name]))
                     del stats[name]
+                if plan is not None:
+                    plan.after_group(gi)
         # The next block (or lm_head's statistics) sees this block's compressed outputs; each
         # batch's new hidden states replace the old ones at once (one copy of them at a time).
         if inputs is not None and (idx < len(layers) - 1 or head_needs_data):
             for i, h in enumerate(inputs.hidden):
-                inputs.hidden[i] = run_block(layer, h, inputs.kwargs(idx, h))
+                inputs.hidden[i] = (run_block(layer, h, inputs.kwargs(idx, h)) if plan is None
+                                    else plan.forward(None, i, h, inputs.kwargs(idx, h)))
+        plan = None
         result.counts.update({name: layer_counts(res) for name, res in found.items()})
         if sink is not None:
             sink({k: v.detach().cpu() for k, v in layer.state_dict(prefix=prefix + ".").items()}, found, extras)
@@ -247,12 +266,25 @@ def compress_model(
     return result
 
 
-def collect_stats(layer, idx: int, todo: dict, inputs: BlockInputs, stats_class, device) -> dict:
+def _shortcuts_fit(layer, groups, inputs: BlockInputs, device) -> bool:
+    """Whether the short-cuts' recorded activations take at most a quarter of the memory available."""
+    tokens = sum(h.shape[0] * h.shape[1] for h in inputs.hidden)
+    need = plan_bytes(layer, groups, tokens)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        kib = proc_kib_field("/proc/meminfo", "MemAvailable")
+        free = None if kib is None else kib * 1024
+    return free is not None and need <= free // 4
+
+
+def collect_stats(layer, idx: int, todo: dict, inputs: BlockInputs, stats_class, device, forward=None) -> dict:
     """Statistics of the inputs of ``todo``'s linears over all calibration batches.
 
     Each forward stops as soon as every linear of the group has seen its input (the rest of
     the block is not needed), and linears fed the very same tensor (q/k/v, gate/up) share one
-    statistics object: their Hessians are identical.
+    statistics object: their Hessians are identical. ``forward(batch_index, hidden, kwargs)``
+    replaces the plain block forward (the true-sequential short-cuts).
     """
     stats: dict = {}
     seen: set[str] = set()
@@ -272,11 +304,14 @@ def collect_stats(layer, idx: int, todo: dict, inputs: BlockInputs, stats_class,
             raise StopForward
 
     with linear_inputs(todo, on_input):
-        for hidden in inputs.hidden:
+        for i, hidden in enumerate(inputs.hidden):
             seen.clear()
             fed.clear()
             try:
-                run_block(layer, hidden, inputs.kwargs(idx, hidden))
+                if forward is None:
+                    run_block(layer, hidden, inputs.kwargs(idx, hidden))
+                else:
+                    forward(i, hidden, inputs.kwargs(idx, hidden))
             except StopForward:
                 pass
     return stats

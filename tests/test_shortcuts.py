@@ -1,0 +1,113 @@
+"""True-sequential short-cuts (compress.shortcuts): the same bits as every pass from the block's input,
+with fewer block forwards; a module whose output is not its last linear's is found out and run whole."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny import TINY_TYPES, tiny_model  # noqa: E402
+
+from slmedge.compress import engine, shortcuts  # noqa: E402
+from slmedge.compress.recipe import Recipe  # noqa: E402
+from slmedge.models.architectures import architecture_for  # noqa: E402
+
+
+def _calibration(seed=1, n=6, seqlen=24):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 384, (n, seqlen), generator=g)
+
+
+def _run(model_type, recipe, use, monkeypatch=None, attn="sdpa"):
+    model = tiny_model(model_type)
+    model.set_attn_implementation(attn)  # what a loaded model gets by default (tiny_model: eager)
+    arch = architecture_for(model.config)
+    calls = {"blocks": 0}
+    real = type(model.get_submodule(arch.layers)[0]).forward
+
+    def counting(self, *a, **k):
+        calls["blocks"] += 1
+        return real(self, *a, **k)
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(type(model.get_submodule(arch.layers)[0]), "forward", counting)
+    res = engine.compress_model(model, arch, recipe, _calibration(), "cpu", shortcuts=use)
+    return model, res, calls["blocks"]
+
+
+@pytest.mark.parametrize("model_type", TINY_TYPES)
+@pytest.mark.parametrize("method", ["gptq", "sparsegpt"])
+def test_shortcuts_give_the_same_bits(model_type, method, monkeypatch):
+    kw = dict(bits=4, group_size=16) if method == "gptq" else dict(bits=None, sparsity="0.5")
+    recipe = Recipe(method=method, nsamples=6, seqlen=24, batch_size=2, **kw)
+    plain, plain_res, plain_blocks = _run(model_type, recipe, False, monkeypatch)
+    fast, fast_res, fast_blocks = _run(model_type, recipe, True, monkeypatch)
+    for (name, a), (_, b) in zip(plain.state_dict().items(), fast.state_dict().items()):
+        assert torch.equal(a, b), f"{model_type} {method}: {name} differs with the short-cuts"
+    for name, res in plain_res.layers.items():
+        other = fast_res.layers[name]
+        for attr in ("codes", "scales", "zeros", "mask"):
+            x, y = getattr(res, attr), getattr(other, attr)
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (name, attr)
+    # Fewer whole-block forwards: plainly 4 group passes + the propagation pass per batch and block
+    # (3 batches x 2 blocks; the last block propagates only for the head, skipped here).
+    assert fast_blocks < plain_blocks, (fast_blocks, plain_blocks)
+
+
+def test_the_plan_for_llama_groups():
+    groups = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+              ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    assert {(e.path, e.first_group, e.last_group) for e in shortcuts._entries(groups)} == {
+        ("self_attn", 0, 1), ("mlp", 2, 3)}
+    assert {(f.path, f.linear, f.group) for f in shortcuts._finished(groups)} == {
+        ("self_attn", "self_attn.o_proj", 1), ("mlp", "mlp.down_proj", 3)}
+    # One pass for everything (Wanda): nothing is recorded after its linear is final.
+    assert shortcuts._finished([sum(groups, [])]) == []
+    assert shortcuts._entries([sum(groups, [])]) == []
+    # A skipped o_proj: attention ends in no compressed linear of its own group.
+    assert {f.path for f in shortcuts._finished([groups[0], groups[2], groups[3]])} == {"mlp"}
+
+
+def test_a_module_that_is_not_its_last_linear_runs_whole(monkeypatch):
+    """An MLP that scales its down_proj output: the short-cut would be wrong; the check on the first
+    batch finds it, the module runs whole, and the result equals the plain passes' bit for bit."""
+    from transformers.models.llama import modeling_llama
+
+    real = modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: real(self, x) * 1.5)
+    recipe = Recipe(method="gptq", bits=4, group_size=16, nsamples=6, seqlen=24, batch_size=2)
+    checks = []
+    orig = shortcuts.Checks
+    monkeypatch.setattr(engine, "Checks", lambda: checks.append(orig()) or checks[-1])
+    plain, _, _ = _run("llama", recipe, False)
+    fast, _, _ = _run("llama", recipe, True)
+    for (name, a), (_, b) in zip(plain.state_dict().items(), fast.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert checks and checks[-1].ok == {"self_attn": True, "mlp": False}
+
+
+def test_no_shortcuts_where_the_records_would_not_fit(monkeypatch):
+    monkeypatch.setattr(engine, "proc_kib_field", lambda *a: 1)  # 1 KiB available
+    made = []
+    monkeypatch.setattr(engine, "BlockShortcuts", lambda *a: made.append(a) or None)
+    recipe = Recipe(method="gptq", bits=4, group_size=16, nsamples=6, seqlen=24, batch_size=2)
+    _run("llama", recipe, True)
+    assert made == []
+
+
+def test_eager_attention_returns_its_weights_so_it_runs_whole(monkeypatch):
+    """Eager attention returns (output, weights): not o_proj's output alone, so attention is never
+    short-cut (the MLP still is), and the bits are those of the plain passes."""
+    checks = []
+    orig = shortcuts.Checks
+    monkeypatch.setattr(engine, "Checks", lambda: checks.append(orig()) or checks[-1])
+    recipe = Recipe(method="gptq", bits=4, group_size=16, nsamples=6, seqlen=24, batch_size=2)
+    plain, _, _ = _run("qwen2", recipe, False, attn="eager")
+    fast, _, _ = _run("qwen2", recipe, True, attn="eager")
+    for (name, a), (_, b) in zip(plain.state_dict().items(), fast.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert checks[-1].ok == {"self_attn": False, "mlp": True}
