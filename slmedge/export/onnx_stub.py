@@ -7,7 +7,7 @@ times the fp32 model (measured: 10.3 GB peak for Qwen2.5-0.5B's 494 M parameters
 is needed to get the graph: the trace only needs the shapes. So the model optimum traces here
 has every ``nn.Linear`` replaced by a :class:`StubLinear`, which holds no weight (its bias, if
 any, stays a real parameter): in the trace it returns zeros of the output's shape, and in the
-ONNX graph it is ``MatMul(x, ConstantOfShape([in, out]))``, a valid graph (optimum's own
+ONNX graph it is ``MatMul(x, Expand(0, [in, out]))``, a valid graph (optimum's own
 session on the file loads it) that holds no weight bytes. Everything else (embeddings, norms,
 biases, rotary buffers) is read from the source as the full model would have it; the rest of
 the graph (node names included: ``/model/layers.0/self_attn/q_proj/MatMul``) is what the full
@@ -27,7 +27,6 @@ from pathlib import Path
 
 import numpy as np
 
-STUB_DOMAIN_TAG = "slmedge_stub"  # the ConstantOfShape nodes of stubs carry this in their doc_string
 
 
 class _StubMatMul:
@@ -47,10 +46,13 @@ class _StubMatMul:
 
                 @staticmethod
                 def symbolic(g, x, in_features: int, out_features: int, half: int):
+                    # Expand of a 1x1 zero, not ConstantOfShape: torch.onnx's shape inference computes
+                    # a ConstantOfShape of constant shape in full and keeps the value until the export
+                    # ends (every linear's fp32 weight at once: 15 GB for a 3.8B model); an Expand it
+                    # leaves alone (scripts/bench_onnx_memory.py).
+                    zero = g.op("Constant", value_t=torch.zeros(1, 1, dtype=torch.float16 if half else torch.float32))
                     shape = g.op("Constant", value_t=torch.tensor([in_features, out_features], dtype=torch.int64))
-                    w = g.op("ConstantOfShape", shape,
-                             value_t=torch.zeros(1, dtype=torch.float16 if half else torch.float32))
-                    return g.op("MatMul", x, w)
+                    return g.op("MatMul", x, g.op("Expand", zero, shape))
 
             cls.fn = StubMatMul
         return cls.fn
@@ -60,7 +62,7 @@ def _stub_linear_class():
     import torch
 
     class StubLinear(torch.nn.Module):
-        """An ``nn.Linear`` without its weight: zeros in the trace, ``MatMul(x, ConstantOfShape)`` in ONNX."""
+        """An ``nn.Linear`` without its weight: zeros in the trace, ``MatMul(x, Expand(0, [in, out]))`` in ONNX."""
 
         def __init__(self, linear):
             super().__init__()
@@ -133,8 +135,8 @@ def module_of(node) -> str | None:
 
 
 def find_stubs(model, linears: dict) -> dict:
-    """linear name -> :class:`Stub` (its MatMul, ConstantOfShape, shape Constant and the Cast that
-    torch.onnx may put between them: an fp16 weight the graph multiplies in fp32) of each linear."""
+    """linear name -> :class:`Stub` (its MatMul, the Expand with its zero and shape Constants, and the
+    Cast that torch.onnx may put between them: an fp16 weight the graph multiplies in fp32) of each linear."""
     from onnx import TensorProto, helper
 
     producers = {o: n for n in model.graph.node for o in n.output}
@@ -146,17 +148,20 @@ def find_stubs(model, linears: dict) -> dict:
         if layer not in linears:
             continue
         cast = producers.get(node.input[1])
-        cos = cast
+        expand = cast
         if cast is not None and cast.op_type == "Cast":
-            cos = producers.get(cast.input[0])
+            expand = producers.get(cast.input[0])
         else:
             cast = None
-        if cos is None or cos.op_type != "ConstantOfShape":
+        if expand is None or expand.op_type != "Expand":
             continue
-        value = next((a.t for a in cos.attribute if a.name == "value"), None)
+        zero, shape = (producers.get(i) for i in expand.input)
+        if zero is None or shape is None or zero.op_type != "Constant" or shape.op_type != "Constant":
+            continue
+        value = next((a.t for a in zero.attribute if a.name == "value"), None)
         stub_type = value.data_type if value is not None else TensorProto.FLOAT
         to = next((helper.get_attribute_value(a) for a in cast.attribute if a.name == "to"), None) if cast else None
-        out[layer] = Stub(node, [n for n in (cast, cos, producers.get(cos.input[0])) if n is not None],
+        out[layer] = Stub(node, [n for n in (cast, expand, zero, shape) if n is not None],
                           stub_type, to if to is not None else stub_type)
     missing = sorted(set(linears) - set(out))
     if missing:
@@ -184,7 +189,7 @@ class Stub:
 
 def replace_stubs(model, stubs: dict, replacements: dict) -> None:
     """Rewrite the graph: each stub in ``replacements`` (linear -> (new nodes, new initializers))
-    takes its MatMul's place; its ConstantOfShape and shape Constant go."""
+    takes its MatMul's place; its Expand and Constants go."""
     drop = set()
     at = {}
     for layer, stub in stubs.items():
