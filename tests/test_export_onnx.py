@@ -341,11 +341,12 @@ print(json.dumps({"base": base, "peak": status("VmHWM")}))
 
 def test_int4_export_peak_memory_stays_near_the_fp32_model_size(artifacts, tmp_path):
     """In a child process (after a warm-up export of the tiny artifact, so that lazy imports are not
-    counted): the int4 export's peak RSS grows by less than 1.5 times the model's fp32 size (measured
-    here: 1.15; the codes are read one linear at a time, unpacked one byte per weight and packed
-    into the graph, plus the allocator's fragments). The way before the stubs (the fp32 model,
-    torch.onnx's folded copy of it, the proto and its reloads) grew by about five times it, and
-    the fp32 model plus any copy of it cannot fit under the bound."""
+    counted): the int4 export's peak RSS grows by less than the model's fp32 size (measured here:
+    0.90; the codes are read one linear at a time, unpacked one byte per weight and packed into the
+    graph, the proto and its reloads, plus the allocator's fragments). The way before the stubs (the
+    fp32 model, torch.onnx's folded copy of it, the proto and its reloads) grew by about five times
+    it, and stubs made of ConstantOfShape, which torch.onnx's shape inference computed in full (every
+    linear's fp32 weight held until the trace ended), by 1.15 times it."""
     import subprocess
 
     from transformers import LlamaConfig
@@ -369,5 +370,6 @@ def test_int4_export_peak_memory_stays_near_the_fp32_model_size(artifacts, tmp_p
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     grew = r["peak"] - r["base"]
-    assert grew < 1.5 * fp32_bytes, f"the export grew by {grew / 1e6:.0f} MB; the fp32 model is {fp32_bytes / 1e6:.0f} MB"
+    print(f"the int4 export grew by {grew / 1e6:.0f} MB = {grew / fp32_bytes:.2f} x the fp32 model")
+    assert grew < 1.0 * fp32_bytes, f"the export grew by {grew / 1e6:.0f} MB; the fp32 model is {fp32_bytes / 1e6:.0f} MB"
     assert OrtDecoder(tmp_path / "onnx").logits(IDS).shape == (len(IDS), 384)
