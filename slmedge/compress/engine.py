@@ -331,7 +331,9 @@ def _compress_head(model, arch, method, inputs, device) -> LinearResult:
 
 
 def _apply(linear: torch.nn.Linear, res: LinearResult) -> LinearResult:
-    linear.weight.data.copy_(res.weight.to(linear.weight.dtype))
+    if not (res.weight.data_ptr() == linear.weight.data_ptr() and res.weight.shape == linear.weight.shape
+            and res.weight.dtype == linear.weight.dtype):  # else it already is the linear's weight (RTN)
+        linear.weight.data.copy_(res.weight.to(linear.weight.dtype))
     # Keep results on the CPU: the artifact writer reads them there. On the CPU the result's weight
     # is the linear's own (the same values): one copy of each dense weight, not two.
     if linear.weight.device.type == "cpu" and linear.weight.dtype == res.weight.dtype:

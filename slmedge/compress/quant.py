@@ -137,7 +137,7 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
-def quantize_groups(w: torch.Tensor, spec: QuantSpec, clip=None):
+def quantize_groups(w: torch.Tensor, spec: QuantSpec, clip=None, overwrite: bool = False):
     """Round-to-nearest of a whole weight, group by group.
 
     ``clip`` is None, a scalar, or (rows, n_groups). Returns (dequantized fp32, codes uint8,
@@ -145,7 +145,9 @@ def quantize_groups(w: torch.Tensor, spec: QuantSpec, clip=None):
 
     The same operations as ``quantize`` then ``dequantize`` (``clamp(round(w / s) + z)``, then
     ``s * (q - z)``, models.codes' ``dequantize``), on whole groups at once, in place, with no
-    concatenation when every group is whole.
+    concatenation when every group is whole. With ``overwrite`` a contiguous fp32 ``w`` whose groups
+    are all whole is rounded in its own storage (the dequantized weight returned is ``w``): no
+    weight-sized tensor is allocated at all.
     """
     rows, cols = w.shape
     g = spec.group_width(cols)
@@ -154,7 +156,7 @@ def quantize_groups(w: torch.Tensor, spec: QuantSpec, clip=None):
         block = w[:, start : start + count * width].float().reshape(rows * count, width)
         scale, zero = find_params(block, spec, _clip_part(clip, start // g, count))
         s, z = scale[:, None], zero[:, None]
-        q = torch.div(block, s).round_().add_(z).clamp_(0, spec.maxq)
+        q = (block.div_(s) if overwrite else torch.div(block, s)).round_().add_(z).clamp_(0, spec.maxq)
         codes.append(q.to(torch.uint8).reshape(rows, count * width))
         # dequantize(q, s, z) = s * (q - z), computed in q's own storage: (q - z) * s is the
         # same float product, and no new weight-sized tensor is allocated (allocations are

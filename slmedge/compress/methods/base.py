@@ -171,10 +171,12 @@ class Method:
         raise NotImplementedError(f"{self.name} is not a block-level method")
 
 
-def rtn_result(weight: torch.Tensor, spec: QuantSpec, mask: torch.Tensor | None = None, clip=None) -> LinearResult:
-    """Round-to-nearest of ``weight``; pruned zeros stay exactly zero (zero is on the grid)."""
+def rtn_result(weight: torch.Tensor, spec: QuantSpec, mask: torch.Tensor | None = None, clip=None,
+               overwrite: bool = False) -> LinearResult:
+    """Round-to-nearest of ``weight``; pruned zeros stay exactly zero (zero is on the grid).
+    ``overwrite``: ``weight`` may be rounded in its own storage (``quantize_groups``)."""
     with single_thread():  # elementwise work on one weight: see single_thread
-        deq, codes, scales, zeros = quantize_groups(weight, spec, clip=clip)
+        deq, codes, scales, zeros = quantize_groups(weight, spec, clip=clip, overwrite=overwrite)
     return LinearResult(deq, spec, codes, scales, zeros, mask=mask)
 
 

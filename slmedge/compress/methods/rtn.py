@@ -9,4 +9,6 @@ class RTN(Method):
     summary = "round-to-nearest quantization (baseline, no calibration)"
 
     def compress(self, name, weight, stats):
-        return rtn_result(weight, self.spec)
+        """Rounds ``weight`` in its own storage where it can (the engine hands RTN the linear's own
+        fp32 weight, which the result replaces anyway): pass a copy to keep the original."""
+        return rtn_result(weight, self.spec, overwrite=True)
