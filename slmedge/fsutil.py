@@ -214,3 +214,15 @@ def atomic_directory(dest: str | os.PathLike, overwrite: bool = False, manifest:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def proc_kib_field(path: str, key: str) -> int | None:
+    """A ``key: N kB`` line of a /proc file, in bytes (None where the file or the line is missing)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError
+from ..fsutil import proc_kib_field
 from ..models.architectures import Architecture
-from ..runtimes.memprobe import proc_kib_field
 from .blocks import BlockInputs, run_block
 from .hooks import StopForward, linear_inputs, module_calls
 from .methods import get_method
@@ -273,8 +273,7 @@ def _shortcuts_fit(layer, groups, inputs: BlockInputs, device) -> bool:
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
-        kib = proc_kib_field("/proc/meminfo", "MemAvailable")
-        free = None if kib is None else kib * 1024
+        free = proc_kib_field("/proc/meminfo", "MemAvailable")  # bytes
     return free is not None and need <= free // 4
 
 

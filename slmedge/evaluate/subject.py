@@ -239,7 +239,7 @@ def torch_streamed(folder: Path | None, device: str = "cpu", streamed: bool | No
 
 def memory_available() -> int | None:
     """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    from ..runtimes.memprobe import proc_kib_field
+    from ..fsutil import proc_kib_field
 
     return proc_kib_field("/proc/meminfo", "MemAvailable")
 

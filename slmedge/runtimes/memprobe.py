@@ -5,17 +5,7 @@ from __future__ import annotations
 
 import resource
 
-
-def proc_kib_field(path: str, key: str) -> int | None:
-    """A ``key: N kB`` line of a /proc file, in bytes (None where the file or the line is missing)."""
-    try:
-        with open(path, encoding="ascii") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+from ..fsutil import proc_kib_field
 
 
 def peak_rss() -> int:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 # What the runner needs on a target: every runtime and engine binding (numpy and one engine, no
 # torch) and the wire protocol. The targets package's own __init__ registers host-side
 # transports: an empty one there.
-_BUNDLE = ["__init__.py", "errors.py", "registry.py", "targets/runner.py"]
+_BUNDLE = ["__init__.py", "errors.py", "fsutil.py", "registry.py", "targets/runner.py"]
 _BUNDLE_PACKAGES = ["backends", "runtimes"]
 _STUBS = {"slmedge/targets/__init__.py": b'"""The runner side of slmedge.targets."""\n'}
 _MAIN = "import sys\nfrom slmedge.targets.runner import main\nsys.exit(main())\n"
