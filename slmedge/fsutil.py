@@ -226,3 +226,8 @@ def proc_kib_field(path: str, key: str) -> int | None:
     except OSError:
         pass
     return None
+
+
+def memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    return proc_kib_field("/proc/meminfo", "MemAvailable")

@@ -91,7 +91,7 @@ def test_a_module_that_is_not_its_last_linear_runs_whole(monkeypatch):
 
 
 def test_no_shortcuts_where_the_records_would_not_fit(monkeypatch):
-    monkeypatch.setattr(engine, "proc_kib_field", lambda *a: 1024)  # 1 KiB available
+    monkeypatch.setattr(engine, "memory_available", lambda: 1024)  # 1 KiB available
     made = []
     monkeypatch.setattr(engine, "BlockShortcuts", lambda *a: made.append(a) or None)
     recipe = Recipe(method="gptq", bits=4, group_size=16, nsamples=6, seqlen=24, batch_size=2)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError
-from ..fsutil import proc_kib_field
+from ..fsutil import memory_available
 from ..models.architectures import Architecture
 from .blocks import BlockInputs, run_block
 from .hooks import StopForward, linear_inputs, module_calls
@@ -273,7 +273,7 @@ def _shortcuts_fit(layer, groups, inputs: BlockInputs, device) -> bool:
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
-        free = proc_kib_field("/proc/meminfo", "MemAvailable")  # bytes
+        free = memory_available()
     return free is not None and need <= free // 4
 
 

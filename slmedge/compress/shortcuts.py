@@ -24,7 +24,7 @@ structure); otherwise that path is never short-cut again in this compression. A 
 when it is valid: no linear of the current or a later group ran before the module was entered.
 
 The recorded tensors cost memory (per calibration token: the widths of the recorded inputs, fp32),
-so the engine uses this only where they fit comfortably (``fits``).
+so the engine uses this only where they fit comfortably (``engine._shortcuts_fit``).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class BlockShortcuts:
         block's output, or None where the pass was stopped (the statistics hooks raise StopForward,
         which passes through). Records what later passes of this block need."""
         done = len(self.groups) if group is None else group
-        entry = self._entry_for(group)
+        entry = self._entry_for(group, batch)
         with self._finished_modules(done, batch), self._recording(group, batch):
             if entry is not None:
                 args, kw = entry.calls[batch]
@@ -155,11 +155,12 @@ class BlockShortcuts:
             if entry.last_group <= group:
                 del self.entries[path]
 
-    def _entry_for(self, group: int | None):
+    def _entry_for(self, group: int | None, batch: int):
+        """The module this batch of pass ``group`` enters directly, if its call was recorded."""
         if group is None:
             return None
         for entry in self.entries.values():
-            if entry.first_group < group <= entry.last_group and entry.calls:
+            if entry.first_group < group <= entry.last_group and batch in entry.calls:
                 return entry
         return None
 

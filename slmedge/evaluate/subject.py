@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..export.formats import format_for_path, get_format
-from ..fsutil import sha256_file
+from ..fsutil import memory_available, sha256_file
 from ..models.artifact_format import is_artifact, manifest_path, read_manifest
 from ..models.source import load, resolve
 from ..paths import cache_dir
@@ -235,13 +235,6 @@ def torch_streamed(folder: Path | None, device: str = "cpu", streamed: bool | No
         return mode == "always"
     available = memory_available()
     return available is not None and WHOLE_PEAK_FACTOR * fp32_bytes(folder) > available
-
-
-def memory_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    from ..fsutil import proc_kib_field
-
-    return proc_kib_field("/proc/meminfo", "MemAvailable")
 
 
 def _source_subject(spec, source, threads, device, trust_remote_code, base, streamed, identity=None) -> Subject:
