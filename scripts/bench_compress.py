@@ -5,8 +5,10 @@ On SmolLM2-135M (the embedded default), with the same 32 x 512 C4 calibration to
 same WikiText-2 windows (4 x 2048) for both: per method, our time, their time, the ratio, our
 perplexity and theirs. llm-compressor runs in its own virtualenv (it needs transformers 5.x),
 created by scripts/bench/llmc_env.sh; it gets our token ids, never re-tokenizes. Times are the
-compression call alone (their ``oneshot``, our calibration + compression), run one after the
-other, never at the same time: on 2 cores anything running beside a timed run distorts it.
+compression call alone (their ``oneshot``, our calibration + compression + writing the artifact
+block by block as ``slmedge compress`` does; ``--in-memory``: the whole model kept in fp32 and
+nothing written, what the tables in docs/benchmarks.md before 2026-12-02 timed), run one after
+the other, never at the same time: on 2 cores anything running beside a timed run distorts it.
 The 1-minute load average (``uptime``) is recorded before and after each timed call (columns
 ``load``: ours before/after, theirs before/after): a load above the core count means something
 else shared the cores, and both sides' times are then inflated (ratios within one run still
@@ -22,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,6 +80,9 @@ def main() -> int:
     ap.add_argument("--eval-windows", type=int, default=4)
     ap.add_argument("--eval-seqlen", type=int, default=2048)
     ap.add_argument("--no-peer", action="store_true", help="only our side")
+    ap.add_argument("--in-memory", action="store_true",
+                    help="time compress(write=False), the whole model kept in fp32, instead of what `slmedge compress` "
+                         "does (load in the source dtype, compress and write the artifact block by block)")
     ap.add_argument("--out", default=str(ROOT / ".bench" / "compress_results.json"))
     args = ap.parse_args()
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -104,12 +110,17 @@ def main() -> int:
         recipe = Recipe(nsamples=args.nsamples, seqlen=args.seqlen, **ours_kw)
         # Same model, tokens and windows: calibration tokens come from the same spec and seed.
         load_before = os.getloadavg()[0]
-        outcome = compress(None, recipe, write=False, device="cpu")
+        if args.in_memory:
+            outcome = compress(None, recipe, write=False, device="cpu")
+        else:  # the artifact written block by block, as `slmedge compress` does; perplexity from the artifact
+            outcome = compress(None, recipe, work / f"{name}-artifact", device="cpu")
         load_after = os.getloadavg()[0]
         ours_s = outcome.result.timings["compress_s"]
-        ours_ppl = eval_ppl(outcome.loaded.model, windows)
+        ours_ppl = eval_ppl(outcome.model(), windows)
         row = {"method": name, "ours_s": ours_s, "ours_ppl": ours_ppl, "ours_load": [load_before, load_after],
                "ours_timings": dict(outcome.result.timings)}
+        if outcome.artifact is not None:
+            shutil.rmtree(outcome.artifact)  # our own temporary folder
         del outcome
         if peer_py is not None:
             out = work / f"{name}.json"

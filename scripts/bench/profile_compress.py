@@ -1,9 +1,12 @@
 """Where compress() spends its time: perf_counter wrappers around the engine's and the methods' functions.
 
-    .venv/bin/python scripts/bench/profile_compress.py gptq [--blocks N] [--cprofile] [--ppl]
+    .venv/bin/python scripts/bench/profile_compress.py gptq [--blocks N] [--cprofile] [--ppl] [--write DIR]
+        [--bound-heap | --heap MMAP_MIB,TRIM_MIB]
 
 No source is edited: the wrappers are installed at import. --blocks N keeps the first N decoder
-blocks (per-block costs, quickly); --ppl adds WikiText-2 perplexity over 4 x 2048 tokens. Methods:
+blocks (per-block costs, quickly); --ppl adds WikiText-2 perplexity over 4 x 2048 tokens (not with
+--write); --write DIR writes the artifact block by block (the path `slmedge compress` takes);
+--bound-heap sets the glibc thresholds that path sets (engine._bound_heap), --heap others. Methods:
 rtn, gptq, awq, wanda, sparsegpt, magnitude, with the benchmark's settings (32 x 512 C4 tokens).
 """
 import sys, time, json, collections, functools
@@ -60,11 +63,19 @@ kw = dict(gptq=dict(method="gptq", bits=4, group_size=64, symmetric=True),
 extra = json.loads(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].startswith("{") else {}
 kw.update(extra)
 prof = "--cprofile" in sys.argv
+if "--bound-heap" in sys.argv:
+    engine._bound_heap()
+if "--heap" in sys.argv:  # --heap MMAP_MIB,TRIM_MIB: glibc thresholds set by hand (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)
+    mm, tr = (int(v) << 20 for v in sys.argv[sys.argv.index("--heap") + 1].split(","))
+    engine._libc().mallopt(-3, mm); engine._libc().mallopt(-1, tr)
 if prof:
     import cProfile, pstats
     pr = cProfile.Profile(); pr.enable()
 t0 = time.perf_counter()
-out = compress(None, Recipe(nsamples=32, seqlen=512, **kw), write=False, device="cpu")
+if "--write" in sys.argv:  # --write DIR: the artifact written block by block, as `slmedge compress` does
+    out = compress(None, Recipe(nsamples=32, seqlen=512, **kw), sys.argv[sys.argv.index("--write") + 1], device="cpu")
+else:
+    out = compress(None, Recipe(nsamples=32, seqlen=512, **kw), write=False, device="cpu")
 wall = time.perf_counter() - t0
 if prof:
     pr.disable(); pstats.Stats(pr).sort_stats("tottime").print_stats(25)
