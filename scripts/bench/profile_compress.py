@@ -67,7 +67,7 @@ if "--bound-heap" in sys.argv:
     engine._bound_heap()
 if "--heap" in sys.argv:  # --heap MMAP_MIB,TRIM_MIB: glibc thresholds set by hand (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)
     mm, tr = (int(v) << 20 for v in sys.argv[sys.argv.index("--heap") + 1].split(","))
-    engine._libc().mallopt(-3, mm); engine._libc().mallopt(-1, tr)
+    engine._libc().mallopt(engine._M_MMAP_THRESHOLD, mm); engine._libc().mallopt(engine._M_TRIM_THRESHOLD, tr)
 if prof:
     import cProfile, pstats
     pr = cProfile.Profile(); pr.enable()

@@ -376,16 +376,12 @@ def _bound_heap() -> None:
     ``_return_freed_memory`` trims the heap after each block. Within a block, though, the same
     activations are allocated and freed once per batch and per pass, and memory that has just been
     handed back costs a page fault per 4 KiB when it is touched again (about 0.3 ms per MB on these
-    machines). An earlier 4 MiB mmap threshold gave every activation its own fresh mapping and made
-    the block-by-block path 21% slower than the in-memory one (the first 6 SmolLM2 blocks, GPTQ:
-    16.2 s vs 13.2 s, ``scripts/bench/profile_compress.py gptq --blocks 6 --bound-heap``). Fixed at
-    32 MiB (mmap: glibc's own ceiling, which it would otherwise reach by adapting) and 128 MiB (trim:
-    what may stay at the heap's top between the per-block trims), that measured 11.7-12.6 s. The
-    price is some resident memory on small models (freed activations are kept for reuse): SmolLM2's
-    `slmedge compress --method gptq --nsamples 32` peaked at 1.74 GB instead of 1.50 GB (61.5 s
-    instead of 74.9 s), the default AWQ at 2.44 GB instead of 2.02 GB (317.6 s instead of 384.0 s);
-    tests/test_memory.py's 100M model, GPTQ, 340 MiB instead of 336 MiB over its baseline. At 1-4B
-    the activations of a batch exceed 32 MiB and get their own mappings as before.
+    machines). So the thresholds are fixed at 32 MiB (mmap: glibc's own ceiling, which it would
+    otherwise reach by adapting) and 128 MiB (trim: what may stay at the heap's top between the
+    per-block trims). An earlier 4 MiB mmap threshold gave every activation a fresh mapping and made
+    this path about 20% slower; the price of reuse is some resident memory on small models (at 1-4B a
+    batch's activations exceed 32 MiB and get their own mappings anyway). Measured in
+    docs/benchmarks.md ("timing what `slmedge compress` does").
     """
     libc = _libc()
     if libc:
