@@ -16,10 +16,13 @@ one after the other, never two at once, in this order (the slow ones last):
          151,936-row vocabulary) the verification aborts inside llama.cpp's tokenizer
          (llama_vocab::byte_to_token, std::out_of_range), issue-17 report; the ppl stage shows
          whether llama.cpp can run the file.
-- onnx:  slmedge export RTN --format onnx --type int4 (MatMulNBits, the codes kept)
+- onnx:  slmedge export RTN --format onnx --type int4 (MatMulNBits, the codes kept); --onnx-no-verify
+         adds --no-verify: on random weights the logits are nearly flat, so the verification's
+         top-1 agreement is noise and can refuse a correct file (Phi-3.5-mini's shape: 73% < 85%)
 - ppl:   slmedge evaluate GGUF --runtime llama.cpp --metrics perplexity --langs en --no-wikitext
          --ppl-windows 1 --seqlen 512 (one 512-token window of NTREX English in llama.cpp)
-- wanda: slmedge compress MODEL --method wanda --sparsity 0.5 (the default calibration)
+- wanda: slmedge compress MODEL --method wanda --sparsity 0.5 (the default calibration, or
+         --wanda-nsamples N with --seqlen's tokens per sample)
 - gptq:  slmedge compress MODEL --method gptq --bits 4 --group-size 128 --nsamples 16 --seqlen 512
 
 gguf, onnx and ppl need the RTN artifact (gguf for ppl); a stage whose input is missing is skipped.
@@ -31,7 +34,8 @@ the child's process group every 0.5 s and kills the group above --max-rss-gb (de
 Sizes against their theoretical bytes, from the model's safetensors headers (nothing loaded):
 - artifact (rtn, gptq): quantized linears n*b/8 + groups*(2 [fp16 scale] + b/8 [a b-bit zero
   point]), groups = rows*ceil(cols/128); every other tensor (embedding, head, norms, biases) bf16.
-- wanda: the dense bf16 size (unstructured 50% is stored dense).
+- wanda: each pruned linear as its kept values in bf16 (cols - floor(cols/2) a row) plus a bit mask
+  (ceil(cols/8) bytes a row); every other tensor bf16.
 - gguf q4_1: quantized linears 20 bytes per 32 weights (16 B of 4-bit codes + fp16 d + fp16 m);
   every other tensor f16 (--keep-f16-uncoded; norms are f32 in GGUF: a few KB).
 - onnx int4: quantized linears as the artifact (codes, fp16 scale and 4-bit zero per 128 block);
@@ -173,12 +177,14 @@ def is_quantized(name: str, shape: list[int]) -> bool:
 
 
 def theoretical(tensors: dict[str, list[int]], tied: bool) -> dict[str, int]:
-    q_codes = q_groups = q_n = other = 0
+    q_codes = q_groups = q_n = other = pruned = 0
     for name, shape in tensors.items():
         n = math.prod(shape)
         if is_quantized(name, shape):
             q_n += n
             q_groups += shape[0] * math.ceil(shape[1] / GROUP)
+            rows, cols = shape
+            pruned += rows * (2 * (cols - cols // 2) + math.ceil(cols / 8))  # 50%: kept bf16 + bit mask
         else:
             other += n
     q_codes = q_n * BITS // 8
@@ -191,7 +197,7 @@ def theoretical(tensors: dict[str, list[int]], tied: bool) -> dict[str, int]:
     onnx_other = 2 * (other - (head[0] if head else 0)) + head_n * (1 + 2 / 32)
     return {
         "artifact": int(q_codes + group_meta + 2 * other),
-        "wanda": int(2 * (q_n + other)),
+        "wanda": int(pruned + 2 * other),
         "gguf": int(q_n // 32 * 20 + 2 * other),
         "onnx": int(q_codes + group_meta + onnx_other),
         "quantized_params": q_n, "other_params": other,
@@ -221,7 +227,12 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default=",".join(STAGES), help="comma-separated, of: " + ", ".join(STAGES))
     ap.add_argument("--layers", type=int, default=None, metavar="N", help="cut each model to N layers (quick runs)")
     ap.add_argument("--nsamples", type=int, default=16, help="GPTQ calibration samples (default 16)")
-    ap.add_argument("--seqlen", type=int, default=512, help="GPTQ tokens per sample (default 512)")
+    ap.add_argument("--seqlen", type=int, default=512,
+                    help="GPTQ (and, with --wanda-nsamples, Wanda) tokens per sample (default 512)")
+    ap.add_argument("--wanda-nsamples", type=int, default=None, metavar="N",
+                    help="Wanda calibration samples of --seqlen tokens (default: slmedge's own default)")
+    ap.add_argument("--onnx-no-verify", action="store_true",
+                    help="export ONNX with --no-verify (random weights: the verification's top-1 is noise)")
     ap.add_argument("--work-dir", type=Path, default=None, help="where models and outputs go (default: temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep each shape's model and outputs")
     ap.add_argument("--json", type=Path, default=None, help="also write the results to this file")
@@ -307,11 +318,13 @@ def main(argv=None) -> int:
                 "gptq": [*slm, "compress", str(model), "--method", "gptq", "--bits", "4", "--group-size", "128",
                          "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen), "-o", str(outs["gptq"])],
                 "wanda": [*slm, "compress", str(model), "--method", "wanda", "--sparsity", "0.5",
+                          *([] if args.wanda_nsamples is None else
+                            ["--nsamples", str(args.wanda_nsamples), "--seqlen", str(args.seqlen)]),
                           "-o", str(outs["wanda"])],
                 "gguf": [*slm, "export", str(outs["rtn"]), "--format", "gguf", "--type", "q4_1", "--exact",
                          "--keep-f16-uncoded", "--no-verify", "-o", str(outs["gguf"])],
                 "onnx": [*slm, "export", str(outs["rtn"]), "--format", "onnx", "--type", "int4",
-                         "-o", str(outs["onnx"])],
+                         *(["--no-verify"] if args.onnx_no_verify else []), "-o", str(outs["onnx"])],
                 "ppl": [*slm, "evaluate", str(outs["gguf"]), "--runtime", "llama.cpp", "--metrics", "perplexity",
                         "--langs", "en", "--no-wikitext", "--ppl-windows", "1", "--seqlen", "512",
                         "--json", str(work / "ppl.json")],
