@@ -34,7 +34,7 @@ the child's process group every 0.5 s and kills the group above --max-rss-gb (de
 Sizes against their theoretical bytes, from the model's safetensors headers (nothing loaded):
 - artifact (rtn, gptq): quantized linears n*b/8 + groups*(2 [fp16 scale] + b/8 [a b-bit zero
   point]), groups = rows*ceil(cols/128); every other tensor (embedding, head, norms, biases) bf16.
-- wanda: each pruned linear as its kept values in bf16 (cols - floor(cols/2) a row) plus a bit mask
+- wanda: each pruned linear as its kept values in bf16 (cols - floor(cols * 0.5) a row) plus a bit mask
   (ceil(cols/8) bytes a row); every other tensor bf16.
 - gguf q4_1: quantized linears 20 bytes per 32 weights (16 B of 4-bit codes + fp16 d + fp16 m);
   every other tensor f16 (--keep-f16-uncoded; norms are f32 in GGUF: a few KB).
@@ -80,6 +80,7 @@ SHAPES = ROOT / "slmedge" / "data" / "shapes" / "shapes.json"
 STAGES = ("rtn", "gguf", "onnx", "ppl", "wanda", "gptq")  # the order they run in: the slow ones last
 GROUP = 128
 BITS = 4
+SPARSITY = 0.5  # Wanda's
 
 
 def shapes_by_size() -> list[tuple[str, int]]:
@@ -184,7 +185,8 @@ def theoretical(tensors: dict[str, list[int]], tied: bool) -> dict[str, int]:
             q_n += n
             q_groups += shape[0] * math.ceil(shape[1] / GROUP)
             rows, cols = shape
-            pruned += rows * (2 * (cols - cols // 2) + math.ceil(cols / 8))  # 50%: kept bf16 + bit mask
+            kept = cols - int(cols * SPARSITY)  # per row
+            pruned += rows * (2 * kept + math.ceil(cols / 8))  # kept values in bf16 + a bit mask
         else:
             other += n
     q_codes = q_n * BITS // 8
@@ -317,7 +319,7 @@ def main(argv=None) -> int:
                         "-o", str(outs["rtn"])],
                 "gptq": [*slm, "compress", str(model), "--method", "gptq", "--bits", "4", "--group-size", "128",
                          "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen), "-o", str(outs["gptq"])],
-                "wanda": [*slm, "compress", str(model), "--method", "wanda", "--sparsity", "0.5",
+                "wanda": [*slm, "compress", str(model), "--method", "wanda", "--sparsity", str(SPARSITY),
                           *([] if args.wanda_nsamples is None else
                             ["--nsamples", str(args.wanda_nsamples), "--seqlen", str(args.seqlen)]),
                           "-o", str(outs["wanda"])],
