@@ -96,6 +96,38 @@ def main() -> int:
         sub.close()
     results["throughput"] = through
 
+    # --- 1b. llama.cpp task scoring: the context with its outputs off (ours) against on ------------
+    # Before this, the context of every item was decoded with llama.cpp's outputs on: the vocabulary
+    # head for each context token, none of it read. Same file, same items, scored both ways in turn.
+    q4_path = wd / "smollm2-q4_0.gguf"
+    if not q4_path.is_file():
+        export_gguf(hf_dir, q4_path, "q4_0")
+    ctx_rows = {}
+    for path in (gguf_path, q4_path):
+        sub = open_subject(str(path), threads=args.threads, n_ctx=2048)
+        llm = sub.runtime.llm
+        real = llm._batch.set_batch
+
+        def all_outputs(batch, n_past, logits_all, real=real):
+            return real(batch=batch, n_past=n_past, logits_all=True)
+
+        row = {}
+        for mode in ("outputs on", "outputs off"):
+            llm._batch.set_batch = all_outputs if mode == "outputs on" else real
+            t = time.perf_counter()
+            lls = []
+            for name in tasks:
+                log(f"llama.cpp {path.name}, context {mode}: {name}")
+                _, scores = run_task(sub.runtime, sub.encoder, name, limit=args.limit)
+                lls += [ll for s in scores for ll in s.loglikelihoods]
+            row[mode] = {"task_s": time.perf_counter() - t, "lls": lls}
+        llm._batch.set_batch = real
+        sub.close()
+        ctx_rows[path.name] = {"on_s": row["outputs on"]["task_s"], "off_s": row["outputs off"]["task_s"],
+                               "identical": row["outputs on"]["lls"] == row["outputs off"]["lls"],
+                               "n_loglikelihoods": len(row["outputs off"]["lls"])}
+    results["llamacpp_context_outputs"] = ctx_rows
+
     # --- 2. lm-evaluation-harness hf, same files ---------------------------------------------------
     try:
         import lm_eval
@@ -131,6 +163,11 @@ def main() -> int:
     print(f"   {'runtime':12} {'ppl':>8} {'ppl tok/s':>10} {'task items/s':>13} {'task s':>8}")
     for rt, r in through.items():
         print(f"   {rt:12} {r['ppl']:8.3f} {r['ppl_tokens_per_s']:10.1f} {r['items_per_s']:13.2f} {r['task_s']:8.1f}")
+    print(f"\n   llama.cpp task scoring, the context decoded with outputs on (before) and off (now):")
+    print(f"   {'file':22} {'on s':>8} {'off s':>8} {'off / on':>9}  same log-likelihoods")
+    for name, r in ctx_rows.items():
+        print(f"   {name:22} {r['on_s']:8.1f} {r['off_s']:8.1f} {r['off_s'] / r['on_s']:9.3f}  "
+              f"{'bit for bit' if r['identical'] else 'NO'} ({r['n_loglikelihoods']} values)")
     if peer:
         ours = ours_tasks["torch"]
         print(f"\n   {'task':12} {'metric':9} {'slmedge':>9} {'lm-eval hf':>11} {'lm-eval slmedge':>16}")

@@ -319,6 +319,38 @@ def test_shared_prefix_scoring_equals_one_sequence_at_a_time(model_type, tiny_mo
         assert np.abs(a - b).max() < 1e-4 and ga == gb
 
 
+def test_llama_cpp_scores_the_context_without_its_outputs_and_the_same_bits(exports):
+    from slmedge.runtimes import Runtime
+
+    sub = open_subject(exports["llama.cpp"])
+    llm = sub.runtime.llm
+    ctx, conts = list(range(5, 45)), [[30, 31, 32], [40], [50, 51, 52, 53, 54]]
+    real = llm._batch.set_batch
+    asked = []
+
+    def recording(batch, n_past, logits_all):
+        asked.append((len(batch), logits_all))
+        return real(batch=batch, n_past=n_past, logits_all=logits_all)
+
+    llm._batch.set_batch = recording
+    fast = sub.runtime.continuation_scores(ctx, conts)
+    # The context (all but its last token) asks llama.cpp for no outputs; each continuation for all.
+    assert asked == [(len(ctx) - 1, False)] + [(len(c), True) for c in conts]
+    assert llm._logits_all  # restored for what follows
+
+    def all_outputs(batch, n_past, logits_all):  # the context's outputs computed, as before this change
+        return real(batch=batch, n_past=n_past, logits_all=True)
+
+    llm._batch.set_batch = all_outputs
+    before = sub.runtime.continuation_scores(ctx, conts)
+    llm._batch.set_batch = real
+    generic = Runtime.continuation_scores(sub.runtime, ctx, conts)  # one whole sequence each
+    for (a, ga), (b, gb), (c, gc) in zip(fast, before, generic):
+        assert np.array_equal(a, b) and ga == gb  # same KV cache: the same bits
+        assert np.abs(a - c).max() < 1e-4 and ga == gc
+    sub.close()
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "gemma3_text"])
 def test_packed_scoring_across_contexts_equals_one_group_at_a_time(model_type, tiny_models, tmp_path):
     from slmedge.runtimes import Runtime

@@ -88,11 +88,20 @@ class LlamaCppRuntime(Runtime):
         return self._last_logits(state), state + 1
 
     def continuation_scores(self, context, continuations):
-        # The context is evaluated once; each continuation resumes from its KV cache.
+        # The context is evaluated once; each continuation resumes from its KV cache. Only the
+        # continuations' logits are read, so the context runs with llama.cpp's outputs off (no
+        # vocabulary head per context token, and the last layer's FFN skipped for them): its KV
+        # cache, and so every score, is the same bit for bit.
         context = list(context)
         self._check_len(len(context) + max(len(c) for c in continuations))
         self.llm.reset()
-        self.llm.eval(context[:-1]) if len(context) > 1 else None
+        if len(context) > 1:
+            saved = self.llm._logits_all
+            self.llm._logits_all = False
+            try:
+                self.llm.eval(context[:-1])
+            finally:
+                self.llm._logits_all = saved
         base = len(context) - 1
         out = []
         for cont in continuations:
