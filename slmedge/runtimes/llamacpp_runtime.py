@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -61,15 +62,21 @@ class LlamaCppRuntime(Runtime):
         self.llm.eval(ids)
         return np.array(self.llm.scores[: len(ids)], dtype=np.float32)
 
-    def timed_generate(self, prompt, n_gen):
-        # Generation as llama.cpp's own loop runs it: logits of the last token only (scoring
-        # keeps every position's logits, which costs the prefill a full head per token).
+    @contextmanager
+    def _last_token_outputs_only(self):
+        """llama.cpp computes the logits of each batch's last token only (scoring otherwise keeps
+        every position's, a full vocabulary head per token); the KV cache is the same."""
         saved = self.llm._logits_all
         self.llm._logits_all = False
         try:
-            return super().timed_generate(prompt, n_gen)
+            yield
         finally:
             self.llm._logits_all = saved
+
+    def timed_generate(self, prompt, n_gen):
+        # Generation as llama.cpp's own loop runs it: logits of the last token only.
+        with self._last_token_outputs_only():
+            return super().timed_generate(prompt, n_gen)
 
     def _last_logits(self, position: int) -> np.ndarray:
         if self.llm._logits_all:
@@ -89,19 +96,14 @@ class LlamaCppRuntime(Runtime):
 
     def continuation_scores(self, context, continuations):
         # The context is evaluated once; each continuation resumes from its KV cache. Only the
-        # continuations' logits are read, so the context runs with llama.cpp's outputs off (no
-        # vocabulary head per context token, and the last layer's FFN skipped for them): its KV
-        # cache, and so every score, is the same bit for bit.
+        # continuations' logits are read, so the context runs without its outputs: its KV cache,
+        # and so every score, is the same bit for bit.
         context = list(context)
         self._check_len(len(context) + max(len(c) for c in continuations))
         self.llm.reset()
         if len(context) > 1:
-            saved = self.llm._logits_all
-            self.llm._logits_all = False
-            try:
+            with self._last_token_outputs_only():
                 self.llm.eval(context[:-1])
-            finally:
-                self.llm._logits_all = saved
         base = len(context) - 1
         out = []
         for cont in continuations:
