@@ -130,3 +130,24 @@ def test_the_budget_catches_a_model_whole_in_fp32(model_100m, tmp_path):
     got = _peak(model_100m, tmp_path, "rtn", write=False)
     print(f"whole in fp32: {(got['peak'] - got['base']) / 2**20:.0f} MiB over the baseline")
     assert got["peak"] - got["base"] > _budget(model_100m)
+
+
+def test_a_block_is_computed_in_memory_of_its_own(tmp_path):
+    # A source loaded from safetensors is memory-mapped: writing into its pages (RTN rounds in
+    # place, every method writes its result back) costs a copy-on-write fault per page. The
+    # engine computes each block in a copy when moving it to fp32 left its tensors where they were.
+    from slmedge.compress.engine import _to_compute
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    layer.register_buffer("fp32_buf", torch.ones(3))
+    layer.register_buffer("ids", torch.arange(3))
+    before = {n: t.data_ptr() for n, t in list(layer.named_parameters()) + list(layer.named_buffers())}
+    values = {n: t.clone() for n, t in layer.state_dict().items()}
+    _to_compute(layer, torch.device("cpu"))
+    after = {n: t.data_ptr() for n, t in list(layer.named_parameters()) + list(layer.named_buffers())}
+    assert all(after[n] != before[n] for n in before if n != "ids")
+    assert after["ids"] == before["ids"]  # integer buffers are not the block's arithmetic
+    assert all(torch.equal(layer.state_dict()[n], v) and layer.state_dict()[n].dtype == (torch.int64 if n == "ids" else torch.float32)
+               for n, v in values.items())
+    bf16 = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    _to_compute(bf16, torch.device("cpu"))
+    assert bf16.weight.dtype == torch.float32

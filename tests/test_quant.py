@@ -51,6 +51,36 @@ def test_four_bit_packing_is_low_nibble_first():
     assert pack_codes(codes, 4).tolist() == [[0x21, 0x43]]
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("cols,width", [(96, 32), (96, 96), (80, 32), (7, 7)])
+def test_grouped_dequantize_is_the_per_element_formula(bits, cols, width):
+    # Whole groups are broadcast, a ragged last group goes the expanded way: both must give
+    # dequantize(q, s, z) = s * (q - z) of the expanded parameters, to the bit.
+    from slmedge.models.codes import dequantize, dequantize_grouped, expand_columns
+    g = torch.Generator().manual_seed(bits * cols)
+    n_groups = -(-cols // width)
+    codes = torch.randint(0, 2**bits, (6, cols), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(6, n_groups, generator=g) * 0.2 - 0.1).half()
+    zeros = torch.randint(0, 2**bits, (6, n_groups), dtype=torch.uint8, generator=g)
+    expected = dequantize(codes.float(), expand_columns(scales.float(), width, cols), expand_columns(zeros.float(), width, cols))
+    got = dequantize_grouped(codes, scales, zeros, width)
+    assert got.shape == (6, cols) and torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    as_float = codes.float()
+    dequantize_grouped(as_float, scales, zeros, width)
+    assert torch.equal(as_float, codes.float())  # the caller's codes are not computed in
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_packed_bytes_are_the_codes_bit_fields(bits):
+    # Each byte holds k codes of 8/k bits, the first code in the low bits (odd widths padded with 0).
+    codes = torch.randint(0, 2**bits, (3, 11), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    k, width = 8 // bits, bits
+    packed = pack_codes(codes, bits)
+    padded = torch.nn.functional.pad(codes.int(), (0, (-11) % k)).view(3, -1, k)
+    expected = sum(padded[:, :, j] << (width * j) for j in range(k))
+    assert packed.dtype == torch.uint8 and packed.tolist() == expected.tolist()
+
+
 def test_mask_round_trip():
     mask = torch.rand(6, 19) > 0.5
     assert torch.equal(unpack_mask(pack_mask(mask), 19), mask)
