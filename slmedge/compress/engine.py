@@ -110,11 +110,13 @@ def _to_compute(module: torch.nn.Module, device: torch.device) -> None:
     every method writes its result back) costs a copy-on-write fault. Over SmolLM2-135M's fp32
     linears (424 MB) that took 1.6 s; reading them into fresh memory takes 0.2 s, and the source's
     file is never written either way (its mapping is private)."""
-    tensors = lambda: itertools.chain(module.named_parameters(), module.named_buffers())  # noqa: E731
+    def tensors():
+        return itertools.chain(module.named_parameters(), module.named_buffers())
+
     before = {name: t.data_ptr() for name, t in tensors()}
     module.to(device, torch.float32)
     for name, t in tensors():
-        if t.device.type == "cpu" and t.is_floating_point() and t.numel() and t.data_ptr() == before.get(name):
+        if t.device.type == "cpu" and t.is_floating_point() and t.data_ptr() == before[name]:
             t.data = t.data.clone()
 
 
@@ -335,9 +337,9 @@ def collect_stats(layer, idx: int, todo: dict, inputs: BlockInputs, stats_class,
 
 def _compress_head(model, arch, method, inputs, device) -> LinearResult:
     head = model.get_submodule(arch.lm_head)
-    _to_compute(head, device)
     if method.block_level:
         raise ConfigError(f"{method.name} cannot compress {arch.lm_head}; keep it in --skip")
+    _to_compute(head, device)
     stats = None
     if method.stats_class is not None:
         norm = model.get_submodule(arch.final_norm)

@@ -32,10 +32,12 @@ def dequantize_grouped(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
 
     ``dequantize``'s arithmetic, ``s * (q - z)`` per element (the same bits); when every group is
     whole the group parameters are broadcast over each group instead of expanded to weight-sized
-    tensors, and the result is computed in the codes' fp32 copy (8x faster on a 1536 x 8960 weight)."""
+    tensors (8x faster on a 1536 x 8960 weight)."""
     rows, cols = codes.shape
-    if cols % width == 0 and scales.shape[1] * width == cols:
-        q = codes.to(torch.float32, copy=True).reshape(rows, cols // width, width)
+    if scales.shape[1] * width == cols:
+        # dequantize(q, s, z) computed in the codes' own fp32 copy: 3x faster than allocating
+        # (q - z) and its product (68 -> 24 ms on the weight above).
+        q = codes.to(torch.float32, copy=True).reshape(rows, -1, width)
         return q.sub_(zeros.float()[:, :, None]).mul_(scales.float()[:, :, None]).view(rows, cols)
     s = expand_columns(scales.float(), width, cols)
     z = expand_columns(zeros.float(), width, cols)
