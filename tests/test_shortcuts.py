@@ -111,3 +111,65 @@ def test_eager_attention_returns_its_weights_so_it_runs_whole(monkeypatch):
     for (name, a), (_, b) in zip(plain.state_dict().items(), fast.state_dict().items()):
         assert torch.equal(a, b), name
     assert checks[-1].ok == {"self_attn": False, "mlp": True}
+
+
+@pytest.mark.parametrize("model_type", TINY_TYPES)
+@pytest.mark.parametrize("method", ["gptq", "sparsegpt"])
+def test_a_pass_stops_at_the_first_of_the_linears_fed_one_tensor(model_type, method, monkeypatch):
+    """After the first batch, q/k/v's pass stops at q_proj's input and gate/up's at gate_proj's: the
+    same bits as running each batch to the group's last linear, with fewer linear forwards."""
+    kw = dict(bits=4, group_size=16) if method == "gptq" else dict(bits=None, sparsity="0.5")
+    recipe = Recipe(method=method, nsamples=6, seqlen=24, batch_size=2, **kw)
+    real = engine.collect_stats
+
+    def run(stop):
+        monkeypatch.setattr(engine, "collect_stats",
+                            lambda *a, **k: real(*a, **k, fellows_stop=stop))
+        model = tiny_model(model_type)
+        arch = architecture_for(model.config)
+        calls = {}
+
+        def count(name):
+            def hook(_m, _args, _out):  # after the forward: counts the linears that ran
+                calls[name] = calls.get(name, 0) + 1
+            return hook
+
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear) and name.startswith(arch.layers + "."):
+                mod.register_forward_hook(count(name))
+        res = engine.compress_model(model, arch, recipe, _calibration(), "cpu", shortcuts=True)
+        return model, res, calls
+
+    full, full_res, full_calls = run(False)
+    fast, fast_res, fast_calls = run(True)
+    for (name, a), (_, b) in zip(full.state_dict().items(), fast.state_dict().items()):
+        assert torch.equal(a, b), f"{model_type} {method}: {name} differs when the pass stops early"
+    for name, res in full_res.layers.items():
+        other = fast_res.layers[name]
+        for attr in ("codes", "scales", "zeros", "mask"):
+            x, y = getattr(res, attr), getattr(other, attr)
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (name, attr)
+    # 3 batches: each block's q_proj, k_proj (before v_proj's input) and gate_proj (before up_proj's)
+    # are skipped in 2 of the 3 batches of their own pass; nothing else changes. Fused projections
+    # (phi3's qkv_proj, gate_up_proj) share no input, so there nothing is skipped.
+    assert set(fast_calls) == set(full_calls)
+    for n, count in full_calls.items():
+        skipped = 2 if n.endswith(("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj")) else 0
+        assert fast_calls[n] == count - skipped, (n, fast_calls[n], count)
+    if model_type != "phi3":
+        assert sum(fast_calls.values()) < sum(full_calls.values())
+
+
+def test_the_propagation_pass_reuses_attentions_output(monkeypatch):
+    """Attention's short-cut output from the gate/up pass is reused by the propagation pass. Block 0's
+    o_proj in the gate/up pass: the first batch runs the real attention and the check's o_proj (2),
+    the other two the short-cut (2); in the propagation only that first batch runs it: 5, not 7."""
+    model = tiny_model("llama")
+    model.set_attn_implementation("sdpa")
+    arch = architecture_for(model.config)
+    calls = {"n": 0}
+    o_proj = model.get_submodule(f"{arch.layers}.0.self_attn.o_proj")
+    o_proj.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+    recipe = Recipe(method="gptq", bits=4, group_size=16, nsamples=6, seqlen=24, batch_size=2)
+    engine.compress_model(model, arch, recipe, _calibration(), "cpu", shortcuts=True)
+    assert calls["n"] == 5, calls

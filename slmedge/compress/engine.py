@@ -296,28 +296,46 @@ def _shortcuts_fit(layer, groups, inputs: BlockInputs, device) -> bool:
     return free is not None and need <= free // 4
 
 
-def collect_stats(layer, idx: int, todo: dict, inputs: BlockInputs, stats_class, device, forward=None) -> dict:
+def collect_stats(layer, idx: int, todo: dict, inputs: BlockInputs, stats_class, device, forward=None,
+                  fellows_stop: bool = True) -> dict:
     """Statistics of the inputs of ``todo``'s linears over all calibration batches.
 
     Each forward stops as soon as every linear of the group has seen its input (the rest of
     the block is not needed), and linears fed the very same tensor (q/k/v, gate/up) share one
     statistics object: their Hessians are identical. ``forward(batch_index, hidden, kwargs)``
     replaces the plain block forward (the true-sequential short-cuts).
+
+    Which linears share a tensor is seen on the first batch, where the forward runs until every
+    linear of the group has been reached. On the later batches the block runs the same code on
+    other values, so the first linear of such a set already stands for the others and the pass
+    stops there: q/k/v's pass computes no q_proj or k_proj, gate/up's no gate_proj (the same
+    statistics: ``fellows_stop=False`` runs every batch to the group's last linear).
     """
     stats: dict = {}
     seen: set[str] = set()
-    # (address, shape) -> (name, tensor); holding the tensor keeps its address from being
+    # (address, shape, strides) -> (name, tensor); holding the tensor keeps its address from being
     # reused by another activation within the same forward.
     fed: dict[tuple, tuple] = {}
+    # name -> the names fed the same tensor as it on the first batch (itself included)
+    fellows: dict[str, set[str]] = {}
+    first = [True]
 
     def on_input(name, x):
-        key = (x.data_ptr(), tuple(x.shape))
+        key = (x.data_ptr(), tuple(x.shape), x.stride())
         if name not in stats:
             stats[name] = stats[fed[key][0]] if key in fed else stats_class(x.shape[-1], device)
         if not any(stats[name] is stats[other] for other in seen):
             stats[name].add_batch(x)
-        fed[key] = (name, x)
-        seen.add(name)
+        if first[0]:
+            if key in fed:
+                fellows[name] = fellows[fed[key][0]]
+                fellows[name].add(name)
+            else:
+                fellows[name] = {name}
+            fed[key] = (name, x)
+            seen.add(name)
+        else:
+            seen.update(fellows.get(name, (name,)))
         if len(seen) == len(todo):
             raise StopForward
 
@@ -325,6 +343,7 @@ def collect_stats(layer, idx: int, todo: dict, inputs: BlockInputs, stats_class,
         for i, hidden in enumerate(inputs.hidden):
             seen.clear()
             fed.clear()
+            first[0] = not fellows_stop or i == 0 or len(fellows) < len(todo)  # until all were reached once
             try:
                 if forward is None:
                     run_block(layer, hidden, inputs.kwargs(idx, hidden))

@@ -14,8 +14,11 @@ passes:
 - **A finished module's output** (``_Finished``): a module whose linears are all compressed and whose
   output is its last linear's output (attention ends in o_proj, the MLP in down_proj) returns that
   linear applied to the input it was recorded with in its own group's pass, which nothing changes
-  afterwards. The gate/up pass then costs o_proj and gate_proj instead of the whole attention, and
-  the propagation pass o_proj and down_proj instead of the whole block.
+  afterwards. The output is kept per batch, so the propagation pass reuses attention's from the
+  gate/up pass (unless something modified it in place since, which its version counter shows). The
+  gate/up pass then costs o_proj instead of the whole attention (and after its first batch nothing of
+  the MLP: ``engine.collect_stats`` stops at gate_proj's input, which up_proj shares), and the
+  propagation pass down_proj instead of the whole block.
 
 Whether a module's output really is its last linear's (no norm, gate or residual after it inside the
 module) is not assumed from its name: the first time a module of a given path is short-cut, its real
@@ -70,6 +73,9 @@ class _Finished:
     linear: str  # relative name of the module's last linear
     group: int  # the pass that records the linear's input; the module is finished after it
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # per batch: the short-cut's output and its version counter when made, reused by the later
+    # passes (the gate/up pass and the propagation both ask attention for it) unless modified since
+    outputs: dict[int, tuple] = field(default_factory=dict)
 
 
 def plan_bytes(layer: torch.nn.Module, groups: list[list[str]], tokens: int) -> int:
@@ -78,7 +84,8 @@ def plan_bytes(layer: torch.nn.Module, groups: list[list[str]], tokens: int) -> 
     for entry in _entries(groups):
         width += layer.get_submodule(groups[entry.first_group][0]).in_features
     for fin in _finished(groups):
-        width += layer.get_submodule(fin.linear).in_features
+        linear = layer.get_submodule(fin.linear)
+        width += linear.in_features + linear.out_features
     return 4 * tokens * width
 
 
@@ -216,6 +223,7 @@ class BlockShortcuts:
         the linear's input recorded for this batch) returns that linear's output on the recorded
         input; the first time for a path, its real forward runs and is compared instead."""
         patched, handles = [], []
+        keep = done < len(self.groups)  # the propagation pass is the block's last: nothing to keep
         try:
             for fin in self.finished.values():
                 if fin.group >= done or batch not in fin.inputs or self.checks.ok.get(fin.path) is False:
@@ -227,8 +235,14 @@ class BlockShortcuts:
                     handles.append(module.register_forward_hook(self._verifier(fin.path, linear, x)))
                     continue
 
-                def short_cut(*_args, _linear=linear, _x=x, _n=self.checks.form[fin.path], **_kwargs):
-                    out = _linear(_x)
+                def short_cut(*_args, _linear=linear, _x=x, _n=self.checks.form[fin.path], _fin=fin, **_kwargs):
+                    kept = _fin.outputs.pop(batch, None)
+                    if kept is not None and kept[0]._version == kept[1]:
+                        out = kept[0]  # the same call's result, untouched since (in-place ops count)
+                    else:
+                        out = _linear(_x)
+                    if keep:
+                        _fin.outputs[batch] = (out, out._version)
                     return out if _n == 0 else (out,) + (None,) * (_n - 1)
 
                 module.forward = short_cut  # an instance attribute: nn.Module.__call__ finds it first
