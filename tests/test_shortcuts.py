@@ -39,6 +39,17 @@ def _run(model_type, recipe, use, monkeypatch=None, attn="sdpa"):
     return model, res, calls["blocks"]
 
 
+def _assert_same_bits(model_a, res_a, model_b, res_b, what):
+    """Both compressions' weights, codes, scales, zero points and masks equal bit for bit."""
+    for (name, a), (_, b) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
+        assert torch.equal(a, b), f"{what}: {name} differs"
+    for name, res in res_a.layers.items():
+        other = res_b.layers[name]
+        for attr in ("codes", "scales", "zeros", "mask"):
+            x, y = getattr(res, attr), getattr(other, attr)
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (what, name, attr)
+
+
 @pytest.mark.parametrize("model_type", TINY_TYPES)
 @pytest.mark.parametrize("method", ["gptq", "sparsegpt"])
 def test_shortcuts_give_the_same_bits(model_type, method, monkeypatch):
@@ -46,13 +57,7 @@ def test_shortcuts_give_the_same_bits(model_type, method, monkeypatch):
     recipe = Recipe(method=method, nsamples=6, seqlen=24, batch_size=2, **kw)
     plain, plain_res, plain_blocks = _run(model_type, recipe, False, monkeypatch)
     fast, fast_res, fast_blocks = _run(model_type, recipe, True, monkeypatch)
-    for (name, a), (_, b) in zip(plain.state_dict().items(), fast.state_dict().items()):
-        assert torch.equal(a, b), f"{model_type} {method}: {name} differs with the short-cuts"
-    for name, res in plain_res.layers.items():
-        other = fast_res.layers[name]
-        for attr in ("codes", "scales", "zeros", "mask"):
-            x, y = getattr(res, attr), getattr(other, attr)
-            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (name, attr)
+    _assert_same_bits(plain, plain_res, fast, fast_res, f"{model_type} {method} with the short-cuts")
     # Fewer whole-block forwards: plainly 4 group passes + the propagation pass per batch and block
     # (3 batches x 2 blocks; the last block propagates only for the head, skipped here).
     assert fast_blocks < plain_blocks, (fast_blocks, plain_blocks)
@@ -142,13 +147,7 @@ def test_a_pass_stops_at_the_first_of_the_linears_fed_one_tensor(model_type, met
 
     full, full_res, full_calls = run(False)
     fast, fast_res, fast_calls = run(True)
-    for (name, a), (_, b) in zip(full.state_dict().items(), fast.state_dict().items()):
-        assert torch.equal(a, b), f"{model_type} {method}: {name} differs when the pass stops early"
-    for name, res in full_res.layers.items():
-        other = fast_res.layers[name]
-        for attr in ("codes", "scales", "zeros", "mask"):
-            x, y = getattr(res, attr), getattr(other, attr)
-            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (name, attr)
+    _assert_same_bits(full, full_res, fast, fast_res, f"{model_type} {method} when the pass stops early")
     # 3 batches: each block's q_proj, k_proj (before v_proj's input) and gate_proj (before up_proj's)
     # are skipped in 2 of the 3 batches of their own pass; nothing else changes. Fused projections
     # (phi3's qkv_proj, gate_up_proj) share no input, so there nothing is skipped.
