@@ -129,7 +129,7 @@ def test_a_pass_stops_at_the_first_of_the_linears_fed_one_tensor(model_type, met
 
     def run(stop):
         monkeypatch.setattr(engine, "collect_stats",
-                            lambda *a, **k: real(*a, **k, fellows_stop=stop))
+                            lambda *a, **k: real(*a, **k, shared_stop=stop))
         model = tiny_model(model_type)
         arch = architecture_for(model.config)
         calls = {}

@@ -297,7 +297,7 @@ def _shortcuts_fit(layer, groups, inputs: BlockInputs, device) -> bool:
 
 
 def collect_stats(layer, idx: int, todo: dict, inputs: BlockInputs, stats_class, device, forward=None,
-                  fellows_stop: bool = True) -> dict:
+                  shared_stop: bool = True) -> dict:
     """Statistics of the inputs of ``todo``'s linears over all calibration batches.
 
     Each forward stops as soon as every linear of the group has seen its input (the rest of
@@ -309,16 +309,14 @@ def collect_stats(layer, idx: int, todo: dict, inputs: BlockInputs, stats_class,
     linear of the group has been reached. On the later batches the block runs the same code on
     other values, so the first linear of such a set already stands for the others and the pass
     stops there: q/k/v's pass computes no q_proj or k_proj, gate/up's no gate_proj (the same
-    statistics: ``fellows_stop=False`` runs every batch to the group's last linear).
+    statistics: ``shared_stop=False`` runs every batch to the group's last linear).
     """
     stats: dict = {}
     seen: set[str] = set()
     # (address, shape, strides) -> (name, tensor); holding the tensor keeps its address from being
     # reused by another activation within the same forward.
     fed: dict[tuple, tuple] = {}
-    # name -> the names fed the same tensor as it on the first batch (itself included)
-    fellows: dict[str, set[str]] = {}
-    first = [True]
+    learning = True  # whether this batch runs to every linear (see above)
 
     def on_input(name, x):
         key = (x.data_ptr(), tuple(x.shape), x.stride())
@@ -326,16 +324,11 @@ def collect_stats(layer, idx: int, todo: dict, inputs: BlockInputs, stats_class,
             stats[name] = stats[fed[key][0]] if key in fed else stats_class(x.shape[-1], device)
         if not any(stats[name] is stats[other] for other in seen):
             stats[name].add_batch(x)
-        if first[0]:
-            if key in fed:
-                fellows[name] = fellows[fed[key][0]]
-                fellows[name].add(name)
-            else:
-                fellows[name] = {name}
-            fed[key] = (name, x)
+        fed[key] = (name, x)
+        if learning:
             seen.add(name)
-        else:
-            seen.update(fellows.get(name, (name,)))
+        else:  # the linears sharing this one's statistics were fed the same tensor on the first batch
+            seen.update(other for other, st in stats.items() if st is stats[name])
         if len(seen) == len(todo):
             raise StopForward
 
@@ -343,7 +336,7 @@ def collect_stats(layer, idx: int, todo: dict, inputs: BlockInputs, stats_class,
         for i, hidden in enumerate(inputs.hidden):
             seen.clear()
             fed.clear()
-            first[0] = not fellows_stop or i == 0 or len(fellows) < len(todo)  # until all were reached once
+            learning = not shared_stop or i == 0 or len(stats) < len(todo)  # until all were reached once
             try:
                 if forward is None:
                     run_block(layer, hidden, inputs.kwargs(idx, hidden))
