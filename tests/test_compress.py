@@ -113,6 +113,11 @@ def test_manifest_records_recipe_identity_versions_sizes_and_checksums(tiny_mode
     assert m["base_model"]["kind"] == "hf_dir" and len(m["base_model"]["weights_sha256"]) == 64
     assert m["calibration"]["nsamples"] == 6 and len(m["calibration"]["files"]) == 1
     assert {"torch", "transformers", "slmedge"} <= set(m["versions"])
+    # The search dtype "auto" chose on this machine is recorded.
+    from slmedge.compress.methods.awq import search_dtype
+
+    assert m["recipe"]["awq_search_dtype"] == "auto"
+    assert m["resolved"] == {"awq_search_dtype": str(search_dtype("auto", "cpu")).removeprefix("torch.")}
     assert "compress_s" in m["timings"]
     for name in (WEIGHTS_FILE, QUANT_FILE, "config.json", "tokenizer.json"):
         assert m["files"][name]["sha256"] == sha256_file(tmp_path / "a" / name)
@@ -193,6 +198,7 @@ def test_cuda_device_gives_the_cpu_result(method, kw, tiny_models, calib_file, t
     (["--method", "gptq", "--damp", "nan"], ["damp must be in [0, 1)"]),
     (["--method", "awq", "--awq-grid", "0"], ["awq_grid must be an integer of at least 1, got 0"]),
     (["--method", "awq", "--awq-max-tokens", "8"], ["awq_max_tokens must be an integer of at least 16, got 8"]),
+    (["--method", "awq", "--awq-search-dtype", "fp16"], ["awq_search_dtype must be one of auto, bfloat16, float32, got 'fp16'"]),
     (["--method", "rtn", "--bits", "1"], ["bits must be an integer from 2 to 8, got 1"]),
     (["--method", "sparsegpt", "--sparsity", "0.5", "--bits", "16"], ["bits must be an integer from 2 to 8, got 16"]),
     (["--method", "magnitude", "--sparsity", "1.0"], ["sparsity must be at least 0 and below 1, got 1"]),

@@ -18,7 +18,7 @@ from .data import DATA_DIR_HELP
 
 def recipe_from_options(method, bits, group_size, symmetric, sparsity, calibration, nsamples, seqlen, seed, batch_size,
                         skip, include_head, damp, block_size, act_order, true_sequential, awq_grid, awq_clip,
-                        awq_max_tokens) -> Recipe:
+                        awq_max_tokens, awq_search_dtype) -> Recipe:
     info = METHODS.get(method)
     if bits is None and info is not None and info.kind == "quantize":
         bits = 4
@@ -26,7 +26,8 @@ def recipe_from_options(method, bits, group_size, symmetric, sparsity, calibrati
     return Recipe(method=method, bits=bits, group_size=group_size, symmetric=symmetric, sparsity=sparsity,
                   calibration=calibration, nsamples=nsamples, seqlen=seqlen, seed=seed, batch_size=batch_size,
                   skip=skip_patterns, damp=damp, block_size=block_size, act_order=act_order,
-                  true_sequential=true_sequential, awq_grid=awq_grid, awq_clip=awq_clip, awq_max_tokens=awq_max_tokens)
+                  true_sequential=true_sequential, awq_grid=awq_grid, awq_clip=awq_clip, awq_max_tokens=awq_max_tokens,
+                  awq_search_dtype=awq_search_dtype)
 
 
 def check_compress(model, recipe: Recipe, output, *, overwrite: bool, revision=None, data_dir=None,
@@ -96,6 +97,7 @@ def compress_command(
     awq_grid: int = typer.Option(20, "--awq-grid", help="AWQ: scale-exponent grid points."),
     awq_clip: bool = typer.Option(True, "--awq-clip/--no-awq-clip", help="AWQ: search clipping ratios."),
     awq_max_tokens: int = typer.Option(2048, "--awq-max-tokens", help="AWQ: calibration tokens used by the search losses."),
+    awq_search_dtype: str = typer.Option("auto", "--awq-search-dtype", help="AWQ: dtype the search's forwards multiply in: auto (bfloat16 where the device has it natively), bfloat16, float32."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory (default: slmedge-out/<model>-<recipe>)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output directory."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
@@ -118,7 +120,7 @@ def compress_command(
     with errors_to_exit():
         recipe = recipe_from_options(method, bits, group_size, symmetric, sparsity, calibration, nsamples, seqlen, seed,
                                      batch_size, skip, include_head, damp, block_size, act_order, true_sequential,
-                                     awq_grid, awq_clip, awq_max_tokens)
+                                     awq_grid, awq_clip, awq_max_tokens, awq_search_dtype)
         output = check_compress(model, recipe, output, overwrite=overwrite, revision=revision, data_dir=data_dir,
                                 text_field=text_field)
         with progress_bar() as progress:

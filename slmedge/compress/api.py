@@ -166,6 +166,7 @@ def compress(
         "architecture": loaded.arch.model_type,
         "calibration": calib_identity,
         "device": str(dev),
+        "resolved": result.resolved,
         "timings": {k: round(v, 3) for k, v in result.timings.items()},
         "summary": summary,
     }

@@ -43,6 +43,8 @@ class CompressionResult:
     # Per compressed linear: parameters, kept / masked weights and the bits of its codes (``layer_counts``),
     # what the artifact's summary reports; kept when a sink took the tensors themselves.
     counts: dict[str, dict] = field(default_factory=dict)
+    # What the method fixed from the device where the recipe said "auto" (``Method.resolve``).
+    resolved: dict = field(default_factory=dict)
 
 
 def layer_counts(res: LinearResult) -> dict:
@@ -204,7 +206,7 @@ def compress_model(
     method = info.cls(recipe)
     needs_data = method.needs_calibration
     layers = model.get_submodule(arch.layers)
-    result = CompressionResult()
+    result = CompressionResult(resolved=method.resolve(device))
     started = time.perf_counter()
     if sink is not None:
         _bound_heap()

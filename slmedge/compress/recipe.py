@@ -17,6 +17,7 @@ from .sparsity import Sparsity
 __all__ = ["DEFAULT_SKIP", "Recipe", "Sparsity"]
 
 DEFAULT_SKIP = ("lm_head", "*embed_tokens*")
+AWQ_SEARCH_DTYPES = ("auto", "bfloat16", "float32")
 
 
 @dataclass
@@ -47,6 +48,10 @@ class Recipe:
     awq_grid: int = 20  # points of the scale-exponent grid in [0, 1)
     awq_clip: bool = True  # search a clipping ratio per group after scaling
     awq_max_tokens: int = 2048  # tokens the search losses use; SmolLM2 W4g64: 2048 -> ppl 29.72, 8192 -> 29.70 at 2.2x the time
+    # What the inspected modules' linears compute in while the search takes its losses: "auto"
+    # (bfloat16 where the device multiplies it natively, else float32), "bfloat16" or "float32".
+    # The statistics, the scales and the quantization are fp32 whatever it says (methods.awq).
+    awq_search_dtype: str = "auto"
 
     def __post_init__(self):
         self._normalize()
@@ -115,6 +120,8 @@ class Recipe:
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "true_sequential" and value is None):
                 raise ConfigError(f"{name} must be true or false, got {value!r}")
+        if self.awq_search_dtype not in AWQ_SEARCH_DTYPES:
+            raise ConfigError(f"awq_search_dtype must be one of {', '.join(AWQ_SEARCH_DTYPES)}, got {self.awq_search_dtype!r}")
         if not isinstance(self.skip, tuple) or not all(isinstance(p, str) for p in self.skip):
             raise ConfigError(f"skip must be a list of module-name patterns, got {self.skip!r}")
         if not isinstance(self.calibration, str) or not self.calibration.strip():

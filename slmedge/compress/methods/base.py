@@ -163,6 +163,11 @@ class Method:
         """Whether the method reads calibration data: a block-level method always does."""
         return self.block_level or self.stats_class is not None
 
+    def resolve(self, device: torch.device) -> dict:
+        """Fix, before the first block, what the recipe leaves to the device (an "auto" setting);
+        returns the values chosen, which the artifact's manifest records (``resolved``)."""
+        return {}
+
     def compress(self, name: str, weight: torch.Tensor, stats) -> LinearResult:
         raise NotImplementedError
 
