@@ -141,7 +141,7 @@ def test_an_unknown_search_dtype_is_refused_before_any_work():
 
 @pytest.mark.parametrize("which", ["mlp", "self_attn", "down_proj"])
 def test_the_bf16_search_returns_the_fp32_searchs_scales_with_fewer_fp32_forwards(which, monkeypatch):
-    """bf16 ranks the grid; fp32 decides among the points within REFINE_MARGIN of bf16's best."""
+    """bf16 ranks the grid; fp32 decides among the points near bf16's best."""
     model = sdpa_llama(seed=3)
     layer = model.model.layers[0]
     g = torch.Generator().manual_seed(7)
@@ -160,9 +160,9 @@ def test_the_bf16_search_returns_the_fp32_searchs_scales_with_fewer_fp32_forward
     evaluated = []
     grid = mawq.grid_losses
 
-    def counting(module, calls, linears, x_mean, spec, n_grid, dtype=torch.float32, points=None):
+    def counting(module, calls, linears, x_mean, spec, n_grid, dtype=torch.float32, points=None, reference=None):
         evaluated.append((dtype, len(points)))
-        return grid(module, calls, linears, x_mean, spec, n_grid, dtype, points)
+        return grid(module, calls, linears, x_mean, spec, n_grid, dtype, points, reference)
 
     monkeypatch.setattr(mawq, "grid_losses", counting)
     fp32 = method._search(module, calls, linears, x_mean, spec, 20, torch.float32)
@@ -170,6 +170,7 @@ def test_the_bf16_search_returns_the_fp32_searchs_scales_with_fewer_fp32_forward
     evaluated.clear()
     bf16 = method._search(module, calls, linears, x_mean, spec, 20, torch.bfloat16)
     assert torch.equal(bf16, fp32)
-    assert evaluated[0] == (torch.bfloat16, 20)
-    # fp32 sees the few points near bf16's best; none when bf16's best stands alone.
-    assert len(evaluated) == 1 or (len(evaluated) == 2 and evaluated[1][0] == torch.float32 and 2 <= evaluated[1][1] < 20)
+    # bf16 ranks all 20; fp32 takes bf16's best, then the few points near it.
+    assert evaluated[:2] == [(torch.bfloat16, 20), (torch.float32, 1)]
+    assert all(d == torch.float32 for d, _ in evaluated[2:]) and len(evaluated) <= 3
+    assert sum(n for _, n in evaluated[1:]) < 20
