@@ -16,7 +16,7 @@ from slmedge.compress.methods import get_method
 from slmedge.compress.methods.base import HessianStats, InputNormStats, rtn_result
 from slmedge.compress.methods.gptq import gptq_quantize
 from slmedge.compress.methods.pruning import prune_by_score
-from slmedge.compress.methods.sparsegpt import sparsegpt_prune
+from slmedge.compress.methods.sparsegpt import smallest_k, sparsegpt_prune
 from slmedge.compress.quant import QuantSpec, dequantize_codes, quantize_groups
 from slmedge.compress.recipe import Recipe, Sparsity
 from slmedge.models.architectures import Architecture, AWQMapping
@@ -70,6 +70,20 @@ def test_sparsegpt_reaches_the_ratio_in_every_column_block(sparsity, block):
         part = keep[:, start : start + block]
         assert int((~part).sum()) == round(part.numel() * sp.ratio)
     assert torch.equal(Wp[~keep], torch.zeros(int((~keep).sum())))
+
+
+@pytest.mark.parametrize("rows,cols,levels", [(48, 16, 5), (192, 128, 16), (7, 9, 2), (64, 32, 100000)])
+def test_smallest_k_is_a_stable_sort_of_the_out_in_layout(rows, cols, levels):
+    # Few distinct levels: many ties at the threshold, as in a dequantized GGUF's first block.
+    # The definition: the first k of a stable ascending sort in the (out, in) layout.
+    g = torch.Generator().manual_seed(rows)
+    scores = torch.randint(0, levels, (rows, cols), generator=g).float() / 7
+    for k in (0, 1, rows * cols // 3, rows * cols // 2, rows * cols - 1, rows * cols):
+        want = torch.zeros(rows * cols, dtype=torch.bool)
+        want[torch.sort(scores.flatten(), stable=True).indices[:k]] = True
+        got = smallest_k(scores.t().contiguous(), k)
+        assert got.shape == (cols, rows)
+        assert torch.equal(got.t().reshape(-1), want), k
 
 
 @pytest.mark.parametrize("nm", ["2:4", "4:8", "1:4"])
