@@ -15,8 +15,8 @@ from slmedge.compress.blocks import BlockInputs
 from slmedge.compress.methods import get_method
 from slmedge.compress.methods.base import HessianStats, InputNormStats, rtn_result
 from slmedge.compress.methods.gptq import gptq_quantize
-from slmedge.compress.methods.pruning import prune_by_score
-from slmedge.compress.methods.sparsegpt import smallest_k, sparsegpt_prune
+from slmedge.compress.methods.pruning import prune_by_score, smallest_k
+from slmedge.compress.methods.sparsegpt import sparsegpt_prune
 from slmedge.compress.quant import QuantSpec, dequantize_codes, quantize_groups
 from slmedge.compress.recipe import Recipe, Sparsity
 from slmedge.models.architectures import Architecture, AWQMapping
@@ -74,7 +74,7 @@ def test_sparsegpt_reaches_the_ratio_in_every_column_block(sparsity, block):
 
 @pytest.mark.parametrize("rows,cols,levels", [(48, 16, 5), (192, 128, 16), (7, 9, 2), (64, 32, 100000)])
 def test_smallest_k_is_a_stable_sort_of_the_out_in_layout(rows, cols, levels):
-    # Few distinct levels: many ties at the threshold, as in a dequantized GGUF's first block.
+    # Few distinct levels: many ties at the threshold (equal weights in a column tie in SparseGPT).
     # The definition: the first k of a stable ascending sort in the (out, in) layout.
     g = torch.Generator().manual_seed(rows)
     scores = torch.randint(0, levels, (rows, cols), generator=g).float() / 7

@@ -13,38 +13,7 @@ import torch
 from ..quant import QuantSpec, find_params
 from .base import HessianStats, LinearResult, Method, register_method, single_thread
 from .gptq import hessian_plan, prepare_hinv  # noqa: F401 - prepare_hinv re-exported
-
-
-def smallest_k(scores_t: torch.Tensor, k: int) -> torch.Tensor:
-    """Mask of the ``k`` smallest of a block's scores, given transposed as (in, out), returned
-    in that layout: every score below the k-th smallest, then those equal to it, first by output
-    row, then by input column (the (out, in) order).
-
-    The k-th value comes from a selection in linear time: at k = half of a 1536 x 128 block
-    ``topk(largest=False)`` took 9.8 ms, ``torch.kthvalue`` 2.7 ms, numpy's introselect 1.4 ms
-    (one thread). Ties at the threshold happen (equal weights in a column have equal scores; 11 of
-    SmolLM2-135M's 1,260 block masks at 50%); ``topk`` broke them in an order of its own.
-    """
-    flat = scores_t.reshape(-1)
-    mask = torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
-    if k <= 0:
-        return mask.view(scores_t.shape)
-    if k >= flat.numel():
-        return mask.fill_(True).view(scores_t.shape)
-    if flat.device.type == "cpu" and flat.dtype == torch.float32:
-        import numpy as np
-
-        kth = torch.tensor(np.partition(flat.detach().numpy(), k - 1)[k - 1])
-    else:
-        kth = torch.kthvalue(flat, k).values
-    torch.lt(flat, kth, out=mask)
-    missing = k - int(mask.sum())
-    if missing:
-        ties = torch.nonzero(flat == kth).flatten()
-        cols, rows = scores_t.shape
-        order = (ties % rows) * cols + ties // rows  # each tie's position in the (out, in) layout
-        mask[ties[torch.argsort(order)[:missing]]] = True
-    return mask.view(scores_t.shape)
+from .pruning import smallest_k
 
 
 def sparsegpt_prune(
