@@ -40,6 +40,10 @@ def test_default_model_is_imported_and_checked_against_llama_cpp(default_model):
     assert check["mean_kl"] < 0.05 and check["top1_agreement"] > 0.85
     assert len(default_model.identity["gguf_sha256"]) == 64
     assert (default_model.hf_dir / "model.safetensors").is_file()
+    # The tokenizer is tokenizer.json alone: no copy of the GGUF file (weights and all) as
+    # "tokenizer.model", which every artifact made from this folder would carry.
+    assert (default_model.hf_dir / "tokenizer.json").is_file()
+    assert not (default_model.hf_dir / "tokenizer.model").exists()
 
 
 def test_a_gguf_file_is_a_model_source(default_model, tmp_path):

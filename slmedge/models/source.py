@@ -457,8 +457,9 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
 
     check_gguf(gguf_path)  # a GGUF slmedge wrote: unchanged since (a foreign one has nothing to check)
     digest = sha256_file(gguf_path)
-    # The embedded default and its file share it. "-2": conversions that keep the file's BOS flag.
-    dest = cache_dir() / "models" / f"gguf-{digest[:16]}-2"
+    # The embedded default and its file share it. "-2": conversions that keep the file's BOS flag;
+    # "-3": without the GGUF file itself copied in as tokenizer.model.
+    dest = cache_dir() / "models" / f"gguf-{digest[:16]}-3"
     if (dest / SOURCE_FILE).is_file():
         if _cache_intact(dest):
             return dest
@@ -485,6 +486,11 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     from .gguf_tokenizer import repair_gguf_tokenizer
 
     tokenizer_repair = repair_gguf_tokenizer(tokenizer, gguf_path)
+    # transformers' GGUF import names the .gguf file itself as the tokenizer's vocab_file, and
+    # save_pretrained would copy it, weights and all, as "tokenizer.model" (94 MB for SmolLM2,
+    # 253 MB for Gemma 3) into this folder and every artifact made from it. It is no SentencePiece
+    # model (a slow tokenizer cannot read it); tokenizer.json holds the whole tokenizer.
+    tokenizer.vocab_file = None
     check = None
     if verify:
         from .gguf_check import check_against_llamacpp
