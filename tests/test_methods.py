@@ -292,3 +292,35 @@ def test_awq_beats_rtn_by_a_margin_with_a_few_salient_input_channels(bits, group
             err_awq = float((awq(held_out) - ref).pow(2).sum())
             err_rtn = float((rtn(held_out) - ref).pow(2).sum())
         assert err_awq <= 0.6 * err_rtn, seed
+
+
+def test_awq_search_inputs_hold_only_the_rows_the_search_uses():
+    """The token-wise search inputs are every stride-th token of every calibration batch: what
+    they keep alive until the block is done must be those rows, not the batches they came from
+    (as views of each batch's input they kept the whole calibration set's MLP inputs)."""
+    g = torch.Generator().manual_seed(5)
+    cols, rows = 128, 64
+    block = _NormLinear(cols, rows, g)
+    calib = [torch.randn(2, 512, cols, generator=g) for _ in range(4)]  # 4,096 tokens
+    recipe = Recipe(method="awq", bits=4, group_size=32, awq_max_tokens=256, awq_search_dtype="float32").validate()
+    method = get_method("awq").cls(recipe)
+    seen = []
+    search = method._search
+
+    def spy(module, calls, *args, **kwargs):
+        seen.append(calls)
+        return search(module, calls, *args, **kwargs)
+
+    method._search = spy
+    method.compress_block(block, "b", {"b.proj": block.proj}, BlockInputs(calib, {(0, 2): {}}), 0, _NORM_LINEAR)
+    (calls,) = seen
+    stride = 4096 // 256
+    assert len(calls) == len(calib)
+    for (args, kwargs), batch in zip(calls, calib):
+        (x,) = args
+        assert not kwargs
+        # the norm is the identity at initialisation: the inputs are the batch's own tokens
+        assert torch.equal(x, batch.reshape(-1, cols)[::stride])
+    kept = {a[0].untyped_storage().data_ptr(): a[0].untyped_storage().nbytes() for a, _ in calls}
+    used = sum(a[0].numel() * a[0].element_size() for a, _ in calls)
+    assert sum(kept.values()) == used, (sum(kept.values()), used)

@@ -164,6 +164,8 @@ class AWQ(Method):
         x_count = {m.linears[0]: 0 for m in mappings}
         clip_x: dict[str, list[torch.Tensor]] = {n: [] for n in linears}
         calls: dict[str, list[tuple]] = {m.inspect: [] for m in mappings}
+        capacity = sum(-(-h.shape[0] * seqlen // stride) for h in inputs.hidden)
+        rows = {m.inspect: _Rows(stride, capacity) for m in mappings if m.tokenwise}
         taken = 0
 
         def on_linear(name, x):
@@ -174,12 +176,14 @@ class AWQ(Method):
                 x_sum[rel] = total if x_sum[rel] is None else x_sum[rel] + total
                 x_count[rel] += flat.shape[0]
             if name in clip_x and taken < max_samples:
-                clip_x[name].append(flat[::8])  # every 8th token is plenty for the clip losses
+                # Every 8th token is plenty for the clip losses. Copied: a strided view would keep
+                # the whole activation alive (``_own``).
+                clip_x[name].append(_own(flat[::8]))
 
         def on_call(rel, args, kwargs):
             if tokenwise[rel]:
                 x = args[0] if args else kwargs["hidden_states"]
-                calls[rel].append(((x.reshape(-1, x.shape[-1])[::stride],), {}))
+                calls[rel].append(((rows[rel].take(x.reshape(-1, x.shape[-1])),), {}))
             elif taken < max_samples:
                 keep = max_samples - taken  # whole samples only, cut at the batch dimension
                 calls[rel].append(_first_samples(args, kwargs, keep, args[0].shape[0] if args else kwargs["hidden_states"].shape[0]))
@@ -386,6 +390,42 @@ def _attention_in(attend, dtype, module, query, key, value, attention_mask, **kw
     return out.to(query.dtype), weights
 
 
+class _Rows:
+    """Every ``stride``-th row of each batch's (tokens, width) input, copied into one buffer.
+
+    The search keeps these rows of every calibration batch until the block is done. Kept as views
+    (``x[::stride]``), they kept each batch's whole input alive: every MLP input and down_proj
+    input of the calibration set. Copied one by one, each small copy was carved out of the heap
+    space a batch's activations had just freed, so the next batch's activations needed fresh
+    space: the resident size grew by about one down_proj input per batch all the same (glibc's
+    heap, below its mmap threshold; measured, see docs/benchmarks.md). One buffer for all
+    batches, allocated at the first, leaves nothing between them. The values are the same rows, so
+    the results are the same bits.
+    """
+
+    def __init__(self, stride: int, capacity: int):
+        self.stride, self.capacity = stride, capacity
+        self.buffer: torch.Tensor | None = None
+        self.used = 0
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        n = -(-x.shape[0] // self.stride)
+        if self.buffer is None:
+            self.buffer = torch.empty(self.capacity, x.shape[1], dtype=x.dtype, device=x.device)
+        if self.used + n > self.capacity or self.buffer.shape[1:] != x.shape[1:] or self.buffer.dtype != x.dtype:
+            return _own(x[:: self.stride])  # more calls than batches (a module run twice): a copy of its own
+        out = self.buffer[self.used : self.used + n]
+        out.copy_(x[:: self.stride])
+        self.used += n
+        return out
+
+
+def _own(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in storage of its own size: a subsample taken as a view (every k-th token, the first
+    samples) would keep the whole tensor it was cut from alive for the block's search."""
+    return x if x.untyped_storage().nbytes() <= x.numel() * x.element_size() else x.clone(memory_format=torch.contiguous_format)
+
+
 def _first_samples(args: tuple, kwargs: dict, keep: int, batch: int):
     """The first ``keep`` samples of a captured call: tensors whose leading dim is the batch."""
     if keep >= batch:
@@ -393,7 +433,7 @@ def _first_samples(args: tuple, kwargs: dict, keep: int, batch: int):
 
     def cut(v):
         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch:
-            return v[:keep]
+            return _own(v[:keep])
         if isinstance(v, tuple):
             return tuple(cut(x) for x in v)
         return v
