@@ -24,6 +24,9 @@ one after the other, never two at once, in this order (the slow ones last):
 - wanda: slmedge compress MODEL --method wanda --sparsity 0.5 (the default calibration, or
          --wanda-nsamples N with --seqlen's tokens per sample)
 - gptq:  slmedge compress MODEL --method gptq --bits 4 --group-size 128 --nsamples 16 --seqlen 512
+- awq:   slmedge compress MODEL --method awq --bits 4 --group-size 128 (slmedge's default calibration,
+         128 x 512 tokens, as `slmedge compress` runs it; or --awq-nsamples N of --seqlen tokens).
+         Not in the default stages (the slowest: run it with --stages awq)
 
 gguf, onnx and ppl need the RTN artifact (gguf for ppl); a stage whose input is missing is skipped.
 Recorded per stage: wall time, CPU time (user + system of the child and of the children it
@@ -32,7 +35,7 @@ of its largest waited-for descendant), not a sample. A watchdog also samples the
 the child's process group every 0.5 s and kills the group above --max-rss-gb (default 14).
 
 Sizes against their theoretical bytes, from the model's safetensors headers (nothing loaded):
-- artifact (rtn, gptq): quantized linears n*b/8 + groups*(2 [fp16 scale] + b/8 [a b-bit zero
+- artifact (rtn, gptq, awq): quantized linears n*b/8 + groups*(2 [fp16 scale] + b/8 [a b-bit zero
   point]), groups = rows*ceil(cols/128); every other tensor (embedding, head, norms, biases) bf16.
 - wanda: each pruned linear as its kept values in bf16 (cols - floor(cols * 0.5) a row) plus a bit mask
   (ceil(cols/8) bytes a row); every other tensor bf16.
@@ -77,7 +80,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_memory import folder_bytes  # noqa: E402
 
 SHAPES = ROOT / "slmedge" / "data" / "shapes" / "shapes.json"
-STAGES = ("rtn", "gguf", "onnx", "ppl", "wanda", "gptq")  # the order they run in: the slow ones last
+STAGES = ("rtn", "gguf", "onnx", "ppl", "wanda", "gptq", "awq")  # the order they run in: the slow ones last
+DEFAULT_STAGES = STAGES[:-1]  # awq (the default method, at its default 128 x 512 tokens) only when asked
 GROUP = 128
 BITS = 4
 SPARSITY = 0.5  # Wanda's
@@ -226,13 +230,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench_scale.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=None, help="comma-separated shipped shapes (default: all, smallest first)")
-    ap.add_argument("--stages", default=",".join(STAGES), help="comma-separated, of: " + ", ".join(STAGES))
+    ap.add_argument("--stages", default=",".join(DEFAULT_STAGES),
+                    help=f"comma-separated, of: {', '.join(STAGES)} (default: {', '.join(DEFAULT_STAGES)})")
     ap.add_argument("--layers", type=int, default=None, metavar="N", help="cut each model to N layers (quick runs)")
     ap.add_argument("--nsamples", type=int, default=16, help="GPTQ calibration samples (default 16)")
     ap.add_argument("--seqlen", type=int, default=512,
                     help="GPTQ (and, with --wanda-nsamples, Wanda) tokens per sample (default 512)")
     ap.add_argument("--wanda-nsamples", type=int, default=None, metavar="N",
                     help="Wanda calibration samples of --seqlen tokens (default: slmedge's own default)")
+    ap.add_argument("--awq-nsamples", type=int, default=None, metavar="N",
+                    help="AWQ calibration samples of --seqlen tokens (default: slmedge's own default, 128 x 512)")
     ap.add_argument("--onnx-no-verify", action="store_true",
                     help="export ONNX with --no-verify (random weights: the verification's top-1 is noise)")
     ap.add_argument("--work-dir", type=Path, default=None, help="where models and outputs go (default: temp dir)")
@@ -312,13 +319,17 @@ def main(argv=None) -> int:
             print(f"\n## {shape}: {record['parameters']:,} parameters, {record['layers']} layers, bf16 {bf16 / 1e9:.3f} GB "
                   f"(made in {r['wall_s']} s); disk free {shutil.disk_usage(work).free / 1e9:.0f} GB under {work}",
                   flush=True)
-            outs = {"rtn": work / "rtn", "gptq": work / "gptq", "wanda": work / "wanda",
+            outs = {"rtn": work / "rtn", "gptq": work / "gptq", "wanda": work / "wanda", "awq": work / "awq",
                     "gguf": work / "rtn-q4_1.gguf", "onnx": work / "rtn-onnx-int4"}
             cmds = {
                 "rtn": [*slm, "compress", str(model), "--method", "rtn", "--bits", "4", "--group-size", "128",
                         "-o", str(outs["rtn"])],
                 "gptq": [*slm, "compress", str(model), "--method", "gptq", "--bits", "4", "--group-size", "128",
                          "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen), "-o", str(outs["gptq"])],
+                "awq": [*slm, "compress", str(model), "--method", "awq", "--bits", "4", "--group-size", "128",
+                        *([] if args.awq_nsamples is None else
+                          ["--nsamples", str(args.awq_nsamples), "--seqlen", str(args.seqlen)]),
+                        "-o", str(outs["awq"])],
                 "wanda": [*slm, "compress", str(model), "--method", "wanda", "--sparsity", str(SPARSITY),
                           *([] if args.wanda_nsamples is None else
                             ["--nsamples", str(args.wanda_nsamples), "--seqlen", str(args.seqlen)]),
@@ -332,7 +343,8 @@ def main(argv=None) -> int:
                         "--json", str(work / "ppl.json")],
             }
             needs = {"gguf": outs["rtn"], "onnx": outs["rtn"], "ppl": outs["gguf"]}
-            theo_key = {"rtn": "artifact", "gptq": "artifact", "wanda": "wanda", "gguf": "gguf", "onnx": "onnx"}
+            theo_key = {"rtn": "artifact", "gptq": "artifact", "awq": "artifact", "wanda": "wanda", "gguf": "gguf",
+                        "onnx": "onnx"}
             for stage in stages:
                 if deadline is not None and time.time() > deadline:
                     res["stages"][stage] = {"skipped": "past the deadline"}
