@@ -101,13 +101,11 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 class LlamaRunner:
     def __init__(self, path: Path, n_ctx: int, threads: int):
-        import llama_cpp
-
-        from slmedge.models.gguf_check import quiet_native_stderr
+        from slmedge.backends.llamacpp import load_llama, quiet_native_stderr
 
         with quiet_native_stderr():
-            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True,
-                                       verbose=False, n_threads=threads, n_threads_batch=threads)
+            self.llm = load_llama(path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False,
+                                  n_threads=threads, n_threads_batch=threads)
 
     def logits(self, ids) -> np.ndarray:
         self.llm.reset()

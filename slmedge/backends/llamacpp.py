@@ -7,8 +7,21 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 
 from ..errors import CorruptModelError, RuntimeNotInstalledError
+
+# llama.cpp's AMX kernels crash some machines that have AMX. A build made where the CPU has AMX-INT8
+# (Sapphire Rapids and later Xeons, common in clouds) puts the quantized weights in the "AMX" extra
+# buffer type, and on some such machines ggml_backend_amx_mul_mat then dies with SIGSEGV at the first
+# batch of more than a few tokens (ggml-org/llama.cpp#20824, open; ollama and dspy saw it on cloud
+# VMs). Here, on a 2-core VM on 2026-12-04, SmolLM2's Q4_1 file evaluated 1 token and crashed on 5.
+# A segfault ends the whole process without a word, so such a build loads its models without the
+# extra buffer types (llama_model_params.use_extra_bufts), the generic CPU kernels instead; set this
+# variable to 1 to keep them where AMX is known to work. scripts/setup.sh builds llama-cpp-python
+# without AMX, so this rarely applies there, and llama.cpp's other repacked kernels stay on.
+AMX_ENV = "SLMEDGE_LLAMACPP_AMX"
+_PARAMS_LOCK = threading.Lock()
 
 
 def require_llama_cpp():
@@ -20,6 +33,47 @@ def require_llama_cpp():
         ) from exc
     _close_bindings_null_files_at_exit()
     return llama_cpp
+
+
+@functools.cache
+def amx_compiled() -> bool:
+    """Whether the loaded llama.cpp library has its AMX kernels compiled in (its system info says so)."""
+    info = require_llama_cpp().llama_print_system_info()
+    text = info.decode("utf-8", "replace") if isinstance(info, bytes) else str(info)
+    return "AMX_INT8 = 1" in text
+
+
+def extra_buffers() -> bool:
+    """Whether models load with llama.cpp's extra buffer types (AMX, repacked weights): not where
+    AMX is compiled in, unless ``SLMEDGE_LLAMACPP_AMX=1`` (see AMX_ENV)."""
+    return not amx_compiled() or os.environ.get(AMX_ENV) == "1"
+
+
+def load_llama(path, **kwargs):
+    """``llama_cpp.Llama(model_path=path, **kwargs)``, without the extra buffer types where
+    ``extra_buffers()`` says so. Every load of a model's weights goes through here.
+
+    ``Llama`` takes no such argument: it fills its model parameters from the binding's
+    ``llama_model_default_params()``, so that function answers with ``use_extra_bufts`` off for
+    the duration of this one call (under a lock; restored however the load ends)."""
+    llama_cpp = require_llama_cpp()
+    if extra_buffers():
+        return llama_cpp.Llama(model_path=str(path), **kwargs)
+    low = llama_cpp.llama_cpp
+    defaults = low.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        if any(field[0] == "use_extra_bufts" for field in type(params)._fields_):  # older bindings lack the field
+            params.use_extra_bufts = False
+        return params
+
+    with _PARAMS_LOCK:
+        low.llama_model_default_params = without_extra_buffers
+        try:
+            return llama_cpp.Llama(model_path=str(path), **kwargs)
+        finally:
+            low.llama_model_default_params = defaults
 
 
 @functools.cache

@@ -51,12 +51,11 @@ def compare_logits(reference: np.ndarray, candidate: np.ndarray) -> dict:
 
 
 def llamacpp_logits(gguf_path, token_ids: list[int], n_threads: int | None = None) -> np.ndarray:
-    from ..backends.llamacpp import require_llama_cpp
+    from ..backends.llamacpp import load_llama
 
-    llama_cpp = require_llama_cpp()
     with quiet_native_stderr():
-        llm = llama_cpp.Llama(
-            model_path=str(gguf_path),
+        llm = load_llama(
+            gguf_path,
             n_ctx=max(64, len(token_ids) + 8),
             n_batch=max(64, len(token_ids) + 8),
             logits_all=True,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..backends.llamacpp import quiet_native_stderr, require_llama_cpp
+from ..backends.llamacpp import extra_buffers, load_llama, quiet_native_stderr
 from ..errors import ConfigError, CorruptModelError
 from .base import Runtime, _token_scores
 from .registry import register_runtime
@@ -19,14 +19,12 @@ from .registry import register_runtime
 class LlamaCppRuntime(Runtime):
     def __init__(self, path, threads: int | None = None, n_ctx: int = 2048, n_gpu_layers: int = 0):
         super().__init__(threads)
-        llama_cpp = require_llama_cpp()
         self.path = Path(path)
         self.n_ctx = n_ctx
         try:
             with quiet_native_stderr():
-                self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True,
-                                           verbose=False, n_threads=self.threads, n_threads_batch=self.threads,
-                                           n_gpu_layers=n_gpu_layers)
+                self.llm = load_llama(self.path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False,
+                                      n_threads=self.threads, n_threads_batch=self.threads, n_gpu_layers=n_gpu_layers)
         except ValueError as exc:
             raise CorruptModelError(f"llama.cpp cannot load {self.path}: not a valid GGUF model "
                                     f"({str(exc).splitlines()[0][:200]})") from exc
@@ -38,6 +36,11 @@ class LlamaCppRuntime(Runtime):
     @property
     def vocab_size(self) -> int:
         return int(self.llm.n_vocab())
+
+    def info(self) -> dict:
+        # Whether llama.cpp's extra buffer types (AMX, repacked weights) were used: off where AMX is
+        # compiled in (backends.llamacpp.AMX_ENV), which changes the kernels, so the speed.
+        return {**super().info(), "extra_buffers": extra_buffers()}
 
     def runner_info(self) -> dict:
         return {"vocab_size": self.vocab_size, "metadata": self.metadata, "n_params": self.n_params}
