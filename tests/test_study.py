@@ -294,3 +294,30 @@ def test_report_has_the_tables_and_plots(local_store, tmp_path):
                           out.as_uri()], capture_output=True, text=True, timeout=120).stdout
     n = html.count("<img")
     assert f'data-plots-rendered="{n}/{n}"' in dom, dom[-300:]
+
+
+def _kill_rtn_compress(job: dict, threads=None, data_dir=None):
+    """``run_job``, except that the worker process running the rtn-w4 compression dies the way a
+    native crash or the out-of-memory killer ends it (SIGKILL)."""
+    from slmedge.study.engine import run_job
+
+    if job["kind"] == "compress" and job["spec"]["method"] == "rtn":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return run_job(job, threads, data_dir)
+
+
+def test_a_worker_that_dies_fails_its_job_and_the_grid_goes_on(tmp_path, tiny_models, monkeypatch):
+    import slmedge.study.engine as engine
+
+    monkeypatch.setattr(engine, "run_job", _kill_rtn_compress)  # what the local pool's workers are sent
+    f = _study(tmp_path, tiny_models("llama"), name="dies", exports=('"none"',))
+    store = ResultsStore(tmp_path / "dies.sqlite")
+    with pytest.raises(engine.StudyRunError, match=r"1 job\(s\) failed \(1 blocked behind them\).*compress .*"
+                                                   r"WorkerDiedError: its worker process was killed"):
+        run_study(load_study(f), store, workers=1)
+    with sqlite3.connect(store.path) as con:  # the other chains ran to the end in a new worker
+        states = con.execute("SELECT kind, status, count(*) FROM study_jobs WHERE status IS NOT NULL "
+                             "GROUP BY kind, status ORDER BY kind, status").fetchall()
+    assert states == [("compress", "done", 1), ("compress", "failed", 1), ("evaluate", "done", 2),
+                      ("evaluate", "pending", 1)], states
+    store.close()

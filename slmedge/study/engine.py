@@ -26,6 +26,10 @@ class StudyRunError(SlmedgeError):
     """Some jobs of the study failed (the others finished and are kept)."""
 
 
+class WorkerDiedError(SlmedgeError):
+    """A job's worker process ended without raising: killed by a signal."""
+
+
 # --- the store's study tables -----------------------------------------------------------------
 
 
@@ -287,13 +291,24 @@ def _bytes(fmt, out: Path) -> int | None:
 
 
 class _LocalPool:
+    """A process pool. A worker that dies (a crash in native code, the out-of-memory killer) breaks
+    a ``ProcessPoolExecutor`` for good: its jobs in flight fail, and the next job gets a new pool."""
+
     def __init__(self, workers: int):
+        self.workers = workers
+        self.pool = self._new()
+        self.broken = False
+
+    def _new(self):
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
-        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=mp.get_context("spawn"))
 
     def submit(self, job: dict, threads, data_dir, needs_gpu: bool):
+        if self.broken:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool, self.broken = self._new(), False
         return self.pool.submit(run_job, job, threads, data_dir)
 
     def wait_any(self, handles):
@@ -302,9 +317,17 @@ class _LocalPool:
         done, _ = wait(handles, return_when=FIRST_COMPLETED)
         return list(done)
 
-    @staticmethod
-    def result(handle):
-        return handle.result()
+    def result(self, handle):
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            return handle.result()
+        except BrokenProcessPool as exc:
+            self.broken = True
+            alone = "" if self.workers == 1 else " (its pool's other workers were ended with it: their jobs failed too)"
+            raise WorkerDiedError(
+                "its worker process was killed (a crash in native code, such as a runtime's, or the "
+                f"out-of-memory killer){alone}; run the study again to retry it") from exc
 
     def close(self):
         self.pool.shutdown(wait=True, cancel_futures=True)
