@@ -324,7 +324,7 @@ class _LocalPool:
             return handle.result()
         except BrokenProcessPool as exc:
             self.broken = True
-            alone = "" if self.workers == 1 else " (its pool's other workers were ended with it: their jobs failed too)"
+            alone = "" if self.workers == 1 else " (a pool's workers end together: the other jobs in flight fail the same way)"
             raise WorkerDiedError(
                 "its worker process was killed (a crash in native code, such as a runtime's, or the "
                 f"out-of-memory killer){alone}; run the study again to retry it") from exc
