@@ -40,8 +40,8 @@ VPY=.venv/bin/python
 # the flags, so a cached wheel that has AMX (built before this) is removed and built again, once.
 LLAMA_SPEC=$("$VPY" -c 'import re, tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print(next(d for d in deps if re.match(r"llama-cpp-python\b", d)))')
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-llama_has_amx() {
-  "$VPY" -c "import sys, llama_cpp; sys.exit(0 if b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info() else 1)" 2>/dev/null
+llama_has_amx() {  # the runtime's own test (slmedge/backends/llamacpp.py, torch-free: read from this checkout)
+  "$VPY" -c "import sys; from slmedge.backends.llamacpp import amx_compiled; sys.exit(0 if amx_compiled() else 1)" 2>/dev/null
 }
 if [ "$(uname -m)" = x86_64 ] && echo 'int main(void) { return 0; }' | "${CC:-cc}" -x c $NO_AMX -c -o /dev/null - 2>/dev/null; then
   CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX" "$VPY" -m pip install -q "$LLAMA_SPEC"
