@@ -324,3 +324,32 @@ def test_awq_search_inputs_hold_only_the_rows_the_search_uses():
     kept = {a[0].untyped_storage().data_ptr(): a[0].untyped_storage().nbytes() for a, _ in calls}
     used = sum(a[0].numel() * a[0].element_size() for a, _ in calls)
     assert sum(kept.values()) == used, (sum(kept.values()), used)
+
+
+@pytest.mark.parametrize("bits,group,sym,actorder", [(4, 16, True, False), (4, 16, False, True), (3, 24, False, False),
+                                                       (8, -1, True, True), (2, 32, False, True)])
+def test_gptq_linears_sharing_a_hessian_in_one_loop_get_their_own_bits(bits, group, sym, actorder):
+    """q/k/v (rows 48, 16, 16 as with grouped-query attention) quantized in one column loop, rows
+    stacked (``GPTQ.compress_shared``), give each linear exactly what it gets alone: codes, scales,
+    zero points, the dequantized weight and act-order's permutation, bit for bit. A dead input
+    column (never seen by the calibration) and a group width that does not divide the 64 columns
+    are in the case; blocksize 16 crosses the lazy-update blocks."""
+    W, X, _ = layer_and_inputs(rows=80)
+    X[:, 5] = 0
+    H = HessianStats(64, "cpu")
+    for chunk in X.split(512):
+        H.add_batch(chunk)
+    weights = dict(zip(["q_proj", "k_proj", "v_proj"], W.split([48, 16, 16])))
+    method = get_method("gptq").cls(Recipe(method="gptq", bits=bits, group_size=group, symmetric=sym,
+                                           act_order=actorder, block_size=16))
+    alone = {name: method.compress(name, w, copy.deepcopy(H)) for name, w in weights.items()}
+    together = method.compress_shared(dict(weights), copy.deepcopy(H))
+    assert list(together) == list(weights)
+    for name, res in alone.items():
+        other = together[name]
+        assert other.weight.shape == weights[name].shape
+        for attr in ("weight", "codes", "scales", "zeros", "perm"):
+            a, b = getattr(res, attr), getattr(other, attr)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (name, attr)
+        # Each result's tensors in storage of its own (the artifact writer saves them side by side).
+        assert other.codes.untyped_storage().nbytes() == other.codes.numel()

@@ -172,3 +172,25 @@ def test_the_propagation_pass_reuses_attentions_output(monkeypatch):
     recipe = Recipe(method="gptq", bits=4, group_size=16, nsamples=6, seqlen=24, batch_size=2)
     engine.compress_model(model, arch, recipe, _calibration(), "cpu", shortcuts=True)
     assert calls["n"] == 5, calls
+
+
+@pytest.mark.parametrize("model_type", TINY_TYPES)
+def test_gptq_quantizes_the_linears_fed_one_tensor_in_one_loop(model_type, monkeypatch):
+    """GPTQ's column loop runs once for the linears that share a Hessian (q/k/v, gate/up; phi3's fused
+    projections have none to share) and the model comes out bit for bit as with one loop per linear."""
+    from slmedge.compress.methods import base, gptq
+
+    recipe = Recipe(method="gptq", bits=4, group_size=16, nsamples=6, seqlen=24, batch_size=2)
+    loops = []
+    real = gptq.gptq_quantize
+    monkeypatch.setattr(gptq, "gptq_quantize", lambda W, *a, **k: loops.append(W.shape[0]) or real(W, *a, **k))
+    one, one_res, _ = _run(model_type, recipe, True)
+    stacked_loops = list(loops)
+    loops.clear()
+    monkeypatch.setattr(gptq.GPTQ, "compress_shared", base.Method.compress_shared)  # one loop per linear
+    alone, alone_res, _ = _run(model_type, recipe, True)
+    _assert_same_bits(alone, alone_res, one, one_res, f"{model_type} gptq, shared linears in one loop")
+    blocks = len(one.get_submodule(architecture_for(one.config).layers))
+    fused = model_type == "phi3"  # qkv_proj and gate_up_proj: one linear per input already
+    assert sum(stacked_loops) == sum(loops)  # the same rows, in fewer loops
+    assert len(stacked_loops) == len(loops) - (0 if fused else 3 * blocks)  # q/k/v: 2 fewer, gate/up: 1

@@ -247,11 +247,18 @@ def compress_model(
                 todo = {f"{prefix}.{rel}": linears[f"{prefix}.{rel}"] for rel in group}
                 stats = collect_stats(layer, idx, todo, inputs, method.stats_class, device,
                                       forward=None if plan is None else functools.partial(plan.forward, gi))
-                for name, linear in todo.items():
-                    found[name] = _apply(linear, method.compress(name, linear.weight.data.float(), stats[name]))
-                    del stats[name]
+                for names in _sharing(stats, todo):
+                    shared = stats[names[0]]
+                    if len(names) == 1:
+                        done = {names[0]: method.compress(names[0], todo[names[0]].weight.data.float(), shared)}
+                    else:
+                        done = method.compress_shared({n: todo[n].weight.data.float() for n in names}, shared)
+                    for name in names:
+                        found[name] = _apply(todo[name], done.pop(name))
+                        del stats[name]
                 if plan is not None:
                     plan.after_group(gi)
+            found = {name: found[name] for name in linears if name in found}  # forward order
         # The next block (or lm_head's statistics) sees this block's compressed outputs; each
         # batch's new hidden states replace the old ones at once (one copy of them at a time).
         if inputs is not None and (idx < len(layers) - 1 or head_needs_data):
@@ -347,6 +354,15 @@ def collect_stats(layer, idx: int, todo: dict, inputs: BlockInputs, stats_class,
             except StopForward:
                 pass
     return stats
+
+
+def _sharing(stats: dict, todo: dict) -> list[list[str]]:
+    """``todo``'s linears grouped by the statistics object they share (``collect_stats`` gives one
+    to the linears fed the very same tensor), in forward order."""
+    groups: dict[int, list[str]] = {}
+    for name in todo:
+        groups.setdefault(id(stats[name]), []).append(name)
+    return list(groups.values())
 
 
 def _compress_head(model, arch, method, inputs, device) -> LinearResult:

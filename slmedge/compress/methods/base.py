@@ -171,6 +171,12 @@ class Method:
     def compress(self, name: str, weight: torch.Tensor, stats) -> LinearResult:
         raise NotImplementedError
 
+    def compress_shared(self, weights: dict[str, torch.Tensor], stats) -> dict[str, LinearResult]:
+        """Compress the linears fed the very same input, which share one statistics object
+        (q/k/v, gate/up): ``{name: weight}`` -> ``{name: LinearResult}``. One at a time here; a
+        method whose rows are independent given the statistics may do them in one go (GPTQ)."""
+        return {name: self.compress(name, weight, stats) for name, weight in weights.items()}
+
     def compress_block(self, layer, prefix: str, linears: dict, inputs, layer_index: int, arch) -> tuple[dict, dict]:
         """A block-level method's work on one block: ``({linear name: LinearResult}, extras)``."""
         raise NotImplementedError(f"{self.name} is not a block-level method")
