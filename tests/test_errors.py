@@ -7,7 +7,6 @@ from conftest import safetensors_full_disk
 from typer.testing import CliRunner
 
 from slmedge.cli import app
-from slmedge.compress.methods.base import METHODS
 
 runner = CliRunner()
 
@@ -102,16 +101,18 @@ def test_non_empty_output_needs_overwrite(tiny_models, tmp_path):
 
 
 def test_interrupted_run_leaves_nothing_that_looks_complete(tiny_models, calib_file, tmp_path, monkeypatch):
+    from slmedge.compress.methods import gptq
+
     calls = {"n": 0}
-    original = METHODS["gptq"].cls.compress
+    original = gptq.gptq_quantize
 
-    def interrupt_late(self, name, weight, stats):
+    def interrupt_late(*args, **kwargs):  # each column loop (q/k/v together, o, gate/up together, down)
         calls["n"] += 1
-        if calls["n"] == 5:
+        if calls["n"] == 5:  # the second block's first
             raise KeyboardInterrupt
-        return original(self, name, weight, stats)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(METHODS["gptq"].cls, "compress", interrupt_late)
+    monkeypatch.setattr(gptq, "gptq_quantize", interrupt_late)
     out = tmp_path / "out"
     result = invoke(tiny_models("llama"), "--method", "gptq", "-g", "32", "--nsamples", "4", "--seqlen", "32",
                     "--calibration", calib_file, "-o", out)
