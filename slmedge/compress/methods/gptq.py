@@ -12,9 +12,11 @@ column loop runs on one thread (its tensors are a few thousand floats: on two co
 OpenMP thread only adds a barrier per operation, which costs a scheduler slice whenever
 anything else shares the cores); the damped-Cholesky factor of H^-1 and the act-order
 permutation are computed once per Hessian, on one thread, and reused by every linear that
-shares it (q/k/v, gate/up). The results are bit for bit those of the reference loop run with
-``torch.set_num_threads(1)`` (before, the Cholesky inverse's low bits followed the thread
-count).
+shares it (q/k/v, gate/up), where torch's MKL allows with its LAPACK routines run in place
+(``compress.lapack``); the linears that share a Hessian are quantized in one column loop, their
+rows stacked (``GPTQ.compress_shared``). The results are bit for bit those of the reference loop
+run with ``torch.set_num_threads(1)`` (before, the Cholesky inverse's low bits followed the
+thread count).
 """
 
 from __future__ import annotations
