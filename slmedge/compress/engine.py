@@ -248,11 +248,7 @@ def compress_model(
                 stats = collect_stats(layer, idx, todo, inputs, method.stats_class, device,
                                       forward=None if plan is None else functools.partial(plan.forward, gi))
                 for names in _sharing(stats, todo):
-                    shared = stats[names[0]]
-                    if len(names) == 1:
-                        done = {names[0]: method.compress(names[0], todo[names[0]].weight.data.float(), shared)}
-                    else:
-                        done = method.compress_shared({n: todo[n].weight.data.float() for n in names}, shared)
+                    done = method.compress_shared({n: todo[n].weight.data.float() for n in names}, stats[names[0]])
                     for name in names:
                         found[name] = _apply(todo[name], done.pop(name))
                         del stats[name]

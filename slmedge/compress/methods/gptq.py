@@ -171,11 +171,13 @@ class GPTQ(Method):
     stats_class = HessianStats
     summary = "GPTQ: second-order error compensation column by column"
 
-    def compress(self, name, weight, stats):
+    def _quantize(self, weight, stats, own=False):
         r = self.recipe
-        Q, codes, scales, zeros, perm = gptq_quantize(
-            weight, stats.H, self.spec, blocksize=r.block_size, percdamp=r.damp, actorder=r.act_order, stats=stats
-        )
+        return gptq_quantize(weight, stats.H, self.spec, blocksize=r.block_size, percdamp=r.damp,
+                             actorder=r.act_order, stats=stats, own=own)
+
+    def compress(self, name, weight, stats):
+        Q, codes, scales, zeros, perm = self._quantize(weight, stats)
         return LinearResult(Q, self.spec, codes, scales, zeros, perm=perm)
 
     def compress_shared(self, weights, stats):
@@ -190,10 +192,8 @@ class GPTQ(Method):
             return super().compress_shared(weights, stats)
         names = list(weights)
         rows = [weights[name].shape[0] for name in names]
-        r = self.recipe
-        Q, codes, scales, zeros, perm = gptq_quantize(
-            torch.cat([weights[name].float() for name in names]), stats.H, self.spec, blocksize=r.block_size,
-            percdamp=r.damp, actorder=r.act_order, stats=stats, own=True)
+        Q, codes, scales, zeros, perm = self._quantize(torch.cat([weights[name].float() for name in names]), stats,
+                                                       own=True)
         out = {}
         for name, q, c, s, z in zip(names, Q.split(rows), codes.split(rows), scales.split(rows), zeros.split(rows)):
             # Each linear's tensors in storage of their own, as when quantized alone.
