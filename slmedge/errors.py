@@ -34,6 +34,12 @@ class UnsupportedArchitectureError(SlmedgeError):
     """The model's architecture has no entry in slmedge's architecture table."""
 
 
+class CaptureError(SlmedgeError):
+    """The calibration capture pass cannot stand in for a model's decoder blocks: the model's own
+    loop hands a block something else than its hidden states, or a block's output has a form slmedge
+    does not know."""
+
+
 class GGUFImportMismatchError(SlmedgeError):
     """transformers' import of a GGUF file disagrees with llama.cpp on the same file."""
 

@@ -6,6 +6,7 @@ tokenizer is a byte-level BPE trained in milliseconds on a few built-in sentence
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -23,18 +24,25 @@ TEXT = [
 VOCAB = 384
 
 
-def _common(**over):
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+def _alternating(layers: int) -> list[str]:
+    return [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
+
+
+def _common_depth(layers: int, **over):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
     base.update(over)
     return base
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, layers: int = 2):
+    """A tiny config of ``model_type`` with ``layers`` decoder blocks (Gemma's alternate sliding-window
+    and full attention, as the real models do)."""
     from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
                               Qwen2Config, Qwen3Config)
 
+    _common = functools.partial(_common_depth, layers)
     if model_type == "llama":  # kv heads == heads, so AWQ's v_proj -> o_proj mapping is exercised
         return LlamaConfig(**_common(num_key_value_heads=4, tie_word_embeddings=True))
     if model_type == "mistral":
@@ -47,10 +55,10 @@ def tiny_config(model_type: str):
         return Phi3Config(**_common(tie_word_embeddings=False))
     if model_type == "gemma2":
         return Gemma2Config(**_common(head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
-                                      layer_types=["sliding_attention", "full_attention"]))
+                                      layer_types=_alternating(layers)))
     if model_type == "gemma3_text":
         return Gemma3TextConfig(**_common(head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
-                                          layer_types=["sliding_attention", "full_attention"]))
+                                          layer_types=_alternating(layers)))
     raise KeyError(model_type)
 
 
@@ -70,11 +78,11 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
-def tiny_model(model_type: str, seed: int = 0):
+def tiny_model(model_type: str, seed: int = 0, layers: int = 2):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, layers), attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # random norms make scale-folding checks meaningful

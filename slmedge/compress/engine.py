@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import CaptureError, ConfigError
 from ..fsutil import memory_available
 from ..models.architectures import Architecture
 from .blocks import BlockInputs, run_block
@@ -131,27 +131,43 @@ def capture_inputs(model, arch: Architecture, batches: list[torch.Tensor], devic
     Gemma's sliding-window layers get their own) and stops the pass after the last block (after
     the first, once a batch size was seen). The blocks' weights are not touched, so they may still
     be in the source's dtype or on the CPU.
+
+    The pass-through returns what the real block would: the model's loop reads it (Gemma 2/3 under
+    transformers 4.x index a tuple, ``layer_outputs[0]``; other loops take the tensor itself), so its
+    form is learned from one forward of the block on the meta device (``_block_output_form``: no
+    weight is read, nothing is computed). Every block must be handed (batch, tokens, hidden) states:
+    anything else is an error naming the block, not calibration on the wrong activations.
     """
     layers = model.get_submodule(arch.layers)
     _move_outside_layers(model, arch.layers, device)
     hidden: list[torch.Tensor] = []
     kwargs: dict[tuple[int, int], dict] = {}
     seen_sizes: set[int] = set()
+    forms: dict[type, Callable[[torch.Tensor], object]] = {}
+    width = getattr(model.config, "hidden_size", None)
 
-    def pass_through(idx):
+    def pass_through(idx, layer):
         def forward(*args, **kw):
             h = args[0] if args else kw["hidden_states"]
+            expected = (*batch.shape, width if width is not None else h.shape[-1])
+            if tuple(h.shape) != expected:
+                raise CaptureError(
+                    f"the capture pass handed decoder block {idx} hidden states of shape {tuple(h.shape)}, "
+                    f"expected {expected} (batch, tokens, hidden): the model's loop reads its blocks' output in a "
+                    "way slmedge does not stand in for; please report it with the model and transformers version")
             if idx == 0:
                 hidden.append(h.detach())
             if full_pass:
                 kwargs[(idx, batch_size)] = {k: v for k, v in kw.items() if k != "hidden_states"}
             if not full_pass or idx == len(layers) - 1:
                 raise StopForward  # everything after (final norm, lm_head) is not needed
-            return h
+            if type(layer) not in forms:
+                forms[type(layer)] = _block_output_form(layer, idx, args, kw)
+            return forms[type(layer)](h)
         return forward
 
     for idx, layer in enumerate(layers):
-        layer.forward = pass_through(idx)  # an instance attribute: nn.Module.__call__ finds it first
+        layer.forward = pass_through(idx, layer)  # an instance attribute: nn.Module.__call__ finds it first
     try:
         for batch in batches:
             batch_size = batch.shape[0]
@@ -165,6 +181,52 @@ def capture_inputs(model, arch: Architecture, batches: list[torch.Tensor], devic
         for layer in layers:
             del layer.forward
     return BlockInputs(hidden, kwargs)
+
+
+def _block_output_form(layer: torch.nn.Module, idx: int, args: tuple, kw: dict) -> Callable[[torch.Tensor], object]:
+    """How ``layer``'s real forward packs its output, as a function of the hidden states to return.
+
+    Learned from one call of the block's own forward on the meta device, with these arguments: shapes
+    and types only (no weight is read, nothing is computed). A bare tensor, or a tuple whose first
+    element is the hidden states and the rest None (no attention weights or cache are asked for)."""
+    h = args[0] if args else kw["hidden_states"]
+
+    def meta(value, dtype=None):
+        if isinstance(value, torch.Tensor):
+            return torch.empty_like(value, device="meta", dtype=dtype if value.is_floating_point() else None)
+        if isinstance(value, (tuple, list)):
+            return type(value)(meta(v) for v in value)
+        if isinstance(value, dict):
+            return {k: meta(v) for k, v in value.items()}
+        return value
+
+    # The block as it will compute: its floating tensors in the hidden states' dtype (the engine casts
+    # each block to fp32 at its turn; a bf16 source's blocks are still bf16 here).
+    state = {name: meta(t, h.dtype) for name, t in itertools.chain(layer.named_parameters(), layer.named_buffers())}
+    instance_forward = layer.__dict__.pop("forward")  # the class's forward, for this one call
+    try:
+        out = torch.func.functional_call(layer, state, meta(args), meta(kw))
+    except Exception as exc:  # noqa: BLE001 - any failure here means the form is unknown
+        raise CaptureError(f"cannot learn what decoder block {idx} ({type(layer).__name__}) returns: "
+                           f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        layer.forward = instance_forward
+    first = out[0] if isinstance(out, tuple) else out
+    rest = out[1:] if isinstance(out, tuple) else ()
+    if not isinstance(first, torch.Tensor) or tuple(first.shape) != tuple(h.shape) or any(r is not None for r in rest):
+        raise CaptureError(f"decoder block {idx} ({type(layer).__name__}) returns {_describe(out)}, not its hidden "
+                           f"states of shape {tuple(h.shape)} (alone or first in a tuple of Nones)")
+    if isinstance(out, tuple):
+        return lambda hidden_states: (hidden_states, *rest)
+    return lambda hidden_states: hidden_states
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, tuple):
+        return "a tuple of (" + ", ".join(_describe(v) for v in value) + ")"
+    return type(value).__name__
 
 
 # What the engine hands a sink after each block (and once more for everything outside the blocks):
