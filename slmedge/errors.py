@@ -10,6 +10,18 @@ for an interrupt.
 """
 
 
+def brief(exc: BaseException, limit: int = 300) -> str:
+    """A library's exception as one line for a message: its first line, and where that only announces
+    what follows (it ends with ':', as transformers 5's config validation errors do) the next line too."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = lines[0]
+    if text.endswith(":") and len(lines) > 1:
+        text = f"{text} {lines[1]}"
+    return text[:limit]
+
+
 class SlmedgeError(Exception):
     """Base class: every error slmedge raises on purpose."""
 

@@ -27,14 +27,24 @@ def sdpa_llama(seed=0):
 
 
 def attention_calls(model, x):
-    """One call of block 0's attention as the engine records it (rotary embeddings, causal mask)."""
-    from transformers.masking_utils import create_causal_mask
+    """One call of block 0's attention as the engine records it (rotary embeddings, causal mask): the
+    arguments the model's own forward hands it, with ``x`` as the hidden states."""
+    recorded = {}
 
-    pos = torch.arange(x.shape[1]).unsqueeze(0)
-    mask = create_causal_mask(config=model.config, input_embeds=x, attention_mask=None, cache_position=pos[0],
-                              past_key_values=None, position_ids=pos)
-    emb = model.model.rotary_emb(x, pos)
-    return [((), {"hidden_states": x, "position_embeddings": emb, "attention_mask": mask})]
+    def record(_module, _args, kwargs):
+        recorded.update(kwargs)
+        raise StopIteration  # nothing after block 0's attention is needed
+
+    handle = model.model.layers[0].self_attn.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(inputs_embeds=x, use_cache=False)
+    except StopIteration:
+        pass
+    finally:
+        handle.remove()
+    kwargs = {k: v for k, v in recorded.items() if k in ("position_embeddings", "attention_mask")}
+    return [((), {"hidden_states": x, **kwargs})]
 
 
 class Dtypes(TorchFunctionMode):

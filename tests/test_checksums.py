@@ -240,6 +240,27 @@ def test_a_changed_cached_gguf_import_is_converted_again(exports, tmp_path, caps
     assert "converting it again" in capsys.readouterr().err
 
 
+def test_a_cached_gguf_import_is_keyed_by_the_libraries_that_wrote_it(exports, tmp_path, monkeypatch):
+    """A tokenizer saved by one transformers release can load with other ids under another (4.57's SmolLM2
+    tokenizer under 5.x: perplexity 81 instead of 24.8): another release converts again, in a folder of its own."""
+    from slmedge.models import source
+
+    gguf_path = tmp_path / "m.gguf"
+    shutil.copyfile(exports["llama.cpp"], gguf_path)
+    now = source.gguf_to_hf_dir(gguf_path)
+    assert json.loads((now / source.SOURCE_FILE).read_text())["libraries"] == source.conversion_libraries()
+    other = {**source.conversion_libraries(), "transformers": "9.9.9"}
+    monkeypatch.setattr(source, "conversion_libraries", lambda: other)
+    then = source.gguf_to_hf_dir(gguf_path)
+    assert then != now and "transformers9.9.9" in then.name
+    assert json.loads((then / source.SOURCE_FILE).read_text())["libraries"] == other
+    # a record naming other libraries than the folder's key (copied in by hand) is not trusted
+    record = json.loads((then / source.SOURCE_FILE).read_text())
+    record["libraries"] = {**other, "transformers": "0.0"}
+    (then / source.SOURCE_FILE).write_text(json.dumps(record))
+    assert not source._cache_intact(then)
+
+
 def test_the_reference_task_cache_is_used_only_as_written_and_keyed_by_the_task_file(artifacts, tmp_path,
                                                                                       session_cache):
     art = artifacts("llama", "rtn")

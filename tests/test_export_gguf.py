@@ -77,7 +77,8 @@ def test_f32_gguf_gives_torch_logits_in_llamacpp(model_type, tiny_models, tmp_pa
     assert v["mean_kl"] < 1e-5 and v["max_abs_logit_diff"] < 0.02 and v["top1_agreement"] > 0.97
     _, fields, tensors = read(out)
     assert fields["general.architecture"] == model_type
-    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
+    # the tiny qwen2 tokenizer splits as Qwen2's does (tests/tiny.py)
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == {"qwen2": "qwen2"}.get(model_type, "gpt-2")
     assert fields[f"{model_type}.block_count"] == 2 and fields[f"{model_type}.embedding_length"] == 64
     assert fields[f"{model_type}.attention.head_count_kv"] == (4 if model_type == "llama" else 2)
     assert "output.weight" not in tensors  # tied embeddings
@@ -328,19 +329,25 @@ def test_sentencepiece_tokenizer_and_chat_template(tmp_path):
 
     import sentencepiece as spm
     from tiny import TEXT, tiny_model
-    from transformers import LlamaTokenizerFast
+    from transformers import AutoTokenizer
 
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT * 4), model_writer=buf, vocab_size=384,
                                    model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=0,
                                    bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
-    (tmp_path / "sp.model").write_bytes(buf.getvalue())
-    tok = LlamaTokenizerFast(vocab_file=str(tmp_path / "sp.model"), legacy=False)
+    # A folder holding the SentencePiece model, read as a Llama tokenizer (transformers 5 builds it from
+    # tokenizer.model this way; its LlamaTokenizerFast(vocab_file=...) no longer reads the file).
+    sp_dir = tmp_path / "sp"
+    sp_dir.mkdir()
+    (sp_dir / "tokenizer.model").write_bytes(buf.getvalue())
+    (sp_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "legacy": False, "add_bos_token": True, "add_eos_token": False}))
+    tok = AutoTokenizer.from_pretrained(sp_dir)
     tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
     src = tmp_path / "sp-llama"
     tiny_model("llama").save_pretrained(src)
     tok.save_pretrained(src)
-    (tmp_path / "sp.model").unlink()
+    shutil.rmtree(sp_dir)
     report = export_gguf(src, tmp_path / "m.gguf", qtype="f32")
     assert report["tokenizer"]["model"] == "llama" and report["tokenizer"]["chat_template"]
     assert report["verification"]["tokenizer_agrees"] and report["verification"]["mean_kl"] < 1e-5
@@ -373,9 +380,9 @@ def test_pruned_artifact_quantized_by_llamacpp_when_asked(artifacts, tmp_path):
 def test_llama3_rope_scaling_writes_rope_freqs(tmp_path):
     from tiny import tiny_config, tiny_tokenizer
 
-    cfg = tiny_config("llama")
-    cfg.rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 64}  # short, so most frequencies are scaled
+    cfg = tiny_config("llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 64})  # short: most frequencies scaled
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
@@ -436,7 +443,9 @@ def test_known_pre_tokenizers_tokenize_like_transformers_in_llamacpp(pre, tmp_pa
           "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                      pre_tokenizers.ByteLevel(add_prefix_space=False)])}[pre]()
     src = tmp_path / "m"
-    tiny_model("qwen2").save_pretrained(src)
+    # A llama model: transformers 5 reads a qwen2 model's tokenizer as its own Qwen2Tokenizer, whatever
+    # pre-tokenizer tokenizer.json holds (tests/tiny.py); a llama model's is read as the file says.
+    tiny_model("llama").save_pretrained(src)
     _tokenizer_with(pt).save_pretrained(src)
     probe = "In 1969, 12345 people said: I'll go!\n\n  Don't   stop 3.14159 naïve café 東京 🙂 ok"
     report = export_gguf(src, tmp_path / "m.gguf", qtype="f32", probe=probe)
@@ -671,11 +680,13 @@ def test_phi3_longrope_refuses_what_llamacpp_would_compute_differently(tiny_mode
     assert writer.calls["add_context_length"] == (131072,) and writer.calls["add_rope_scaling_orig_ctx_len"] == (4096,)
     hf_factor = _compute_longrope_parameters(hf, "cpu")[1]
     assert writer.calls["add_rope_scaling_attn_factors"][0] == pytest.approx(hf_factor) == pytest.approx(1.19023807)
-    # Without config.original_max_position_embeddings transformers takes max_position_embeddings for the original
-    # context and rope_scaling.factor for the scale: an attention factor other than llama.cpp's, refused.
-    hf.original_max_position_embeddings = None
-    hf.rope_scaling = {**hf.rope_scaling, "original_max_position_embeddings": 4096, "factor": 2.0}
-    with pytest.raises(GGUFExportError, match="transformers scales this model's rotary embedding by 1.0289"):
+    # With a rope_scaling.factor transformers takes that for the scale (sqrt(1 + ln 2 / ln 4096) = 1.0408), where
+    # llama.cpp takes max_position_embeddings / original (32: 1.1902): refused, not written to compute otherwise.
+    hf = Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                    intermediate_size=128, vocab_size=384, max_position_embeddings=131072,
+                    original_max_position_embeddings=4096, rope_scaling={**config().rope_scaling, "factor": 2.0})
+    assert _compute_longrope_parameters(hf, "cpu")[1] == pytest.approx(1.04083300)
+    with pytest.raises(GGUFExportError, match="transformers scales this model's rotary embedding by 1.04083"):
         gh.add_hparams(Writer(), hf, arch, gguf.LlamaFileType.ALL_F32)
     # An explicit attention_factor is what transformers applies: llama.cpp gets that value.
     writer = Writer()

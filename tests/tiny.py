@@ -6,7 +6,6 @@ tokenizer is a byte-level BPE trained in milliseconds on a few built-in sentence
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import torch
@@ -36,13 +35,15 @@ def _common_depth(layers: int, **over):
     return base
 
 
-def tiny_config(model_type: str, layers: int = 2):
+def tiny_config(model_type: str, layers: int = 2, **over):
     """A tiny config of ``model_type`` with ``layers`` decoder blocks (Gemma's alternate sliding-window
-    and full attention, as the real models do)."""
+    and full attention, as the real models do); ``over`` replaces any setting, given to the constructor
+    (e.g. ``rope_scaling``, which transformers 5 turns into its ``rope_parameters`` there)."""
     from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
                               Qwen2Config, Qwen3Config)
 
-    _common = functools.partial(_common_depth, layers)
+    def _common(**model_kw):
+        return _common_depth(layers, **{**model_kw, **over})
     if model_type == "llama":  # kv heads == heads, so AWQ's v_proj -> o_proj mapping is exercised
         return LlamaConfig(**_common(num_key_value_heads=4, tie_word_embeddings=True))
     if model_type == "mistral":
@@ -65,14 +66,29 @@ def tiny_config(model_type: str, layers: int = 2):
 TINY_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+# Qwen2's pre-tokenizer split. transformers 5 builds every qwen2 model's tokenizer as its Qwen2Tokenizer (NFC,
+# this split, byte-level BPE, <|endoftext|> as a special token) whatever tokenizer.json says, so the tiny
+# qwen2 models get a tokenizer of that shape: the ids are then the same under transformers 4.x and 5.x.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def tiny_tokenizer(model_type: str | None = None):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    special = ["<pad>", "<s>", "</s>"]
+    if model_type == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        special.append("<|endoftext|>")
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(TEXT * 4, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
@@ -95,7 +111,7 @@ def tiny_model(model_type: str, seed: int = 0, layers: int = 2):
 def save_tiny(model_type: str, path: Path, seed: int = 0) -> Path:
     path = Path(path)
     tiny_model(model_type, seed).save_pretrained(path, safe_serialization=True)
-    tiny_tokenizer().save_pretrained(path)
+    tiny_tokenizer(model_type).save_pretrained(path)
     return path
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, CorruptModelError, RuntimeNotInstalledError
+from ..errors import ConfigError, CorruptModelError, RuntimeNotInstalledError, brief
 
 GENAI_CONFIG = "genai_config.json"
 INSTALL = "pip install 'slmedge[genai]'"
@@ -66,7 +66,7 @@ class GenaiModel:
             self.model = og.Model(config)
         except Exception as exc:  # noqa: BLE001 - genai raises RuntimeError with the reason
             raise CorruptModelError(f"onnxruntime-genai cannot load {self.path}: "
-                                    f"{str(exc).splitlines()[0][:300]}") from exc
+                                    f"{brief(exc)}") from exc
 
     def check_len(self, n: int) -> None:
         if n > self.context_length:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SlmedgeError
+from ..errors import SlmedgeError, brief
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
@@ -63,7 +63,7 @@ class OrtDecoder:
         try:
             self.session = ort.InferenceSession(str(self.path), opts, providers=providers or ["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
-            raise OnnxModelError(f"onnxruntime cannot load {self.path}: {str(exc).splitlines()[0][:300]}") from exc
+            raise OnnxModelError(f"onnxruntime cannot load {self.path}: {brief(exc)}") from exc
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
         if "input_ids" not in self.inputs or "logits" not in self.output_names:

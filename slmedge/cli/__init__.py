@@ -14,7 +14,7 @@ try:
     from typer.core import TyperGroup
 
     from .artifact import artifact_app
-    from .common import INTERRUPTED, print_interrupted, state
+    from .common import INTERRUPTED, print_interrupted, quiet_libraries, state
     from .compress import compress_command
     from .data import data_app
     from .evaluate import evaluate_command, lm_eval_command
@@ -56,6 +56,8 @@ app = typer.Typer(
 @app.callback()
 def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors.")):
     state.debug = debug
+    if not debug:
+        quiet_libraries()
 
 
 app.command("compress")(compress_command)

@@ -36,6 +36,19 @@ class State:
 state = State()
 
 
+def quiet_libraries() -> None:
+    """Keep the libraries' own progress bars and advice (transformers' "Loading weights" bars, its
+    tokenizer notices) out of slmedge's output; ``--debug`` leaves them on. Set before transformers is
+    imported (it reads the environment then), and on it when an earlier command imported it already."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        transformers_logging.set_verbosity_error()
+
+
 INTERRUPTED = 130
 
 # The temporary names slmedge writes under before renaming into place (fsutil, the GGUF writer):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DataError, RuntimeNotInstalledError, UnknownDataError
+from ..errors import DataError, RuntimeNotInstalledError, UnknownDataError, brief
 from ..fsutil import iter_jsonl, sha256_file
 from .files import data_files, file_sha256
 
@@ -102,7 +102,7 @@ def _hub_texts(spec: str, text_field: str) -> tuple[list[str], dict]:
     try:
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as exc:
-        raise DataError(f"cannot load dataset '{name}' from the Hugging Face Hub: {str(exc).splitlines()[0]}") from exc
+        raise DataError(f"cannot load dataset '{name}' from the Hugging Face Hub: {brief(exc)}") from exc
     if text_field not in ds.column_names:
         raise DataError(f"dataset '{name}' has no '{text_field}' column (columns: {', '.join(ds.column_names)})")
     return [t for t in ds[text_field] if t and t.strip()], {"dataset": name, "config": config, "split": split,

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, brief
 from ..export.formats import format_for_path, get_format
 from ..fsutil import memory_available, sha256_file
 from ..models.artifact_format import is_artifact, manifest_path, read_manifest
@@ -295,7 +295,7 @@ def _hf_encoder(folder: Path, trust_remote_code: bool) -> HFEncoder:
                                                        **tokenizer_kwargs(folder)))
     except Exception as exc:  # noqa: BLE001
         raise ConfigError(f"{folder} has no tokenizer files beside the ONNX model; export with slmedge export "
-                          f"(which copies them) ({str(exc).splitlines()[0][:150]})") from exc
+                          f"(which copies them) ({brief(exc, 150)})") from exc
 
 
 def _onnx_params(path: Path) -> int | None:

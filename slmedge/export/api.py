@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..errors import ConfigError, ModelNotFoundError
+from ..errors import ConfigError, ModelNotFoundError, brief
 from .formats import FORMATS, get_format  # noqa: F401 - FORMATS: the registered formats by name
 
 
@@ -29,7 +29,7 @@ def source_folder(spec: str | None, revision: str | None = None) -> Path:
                                       allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
     except Exception as exc:  # noqa: BLE001 - network, auth, not found
         raise ModelNotFoundError(f"could not get '{source.spec}' from the Hugging Face Hub "
-                                 f"({str(exc).splitlines()[0][:200]}); check the id, your network, or use a local folder") from exc
+                                 f"({brief(exc, 200)}); check the id, your network, or use a local folder") from exc
 
 
 def default_output(folder: Path, fmt: str, qtype: str) -> Path:

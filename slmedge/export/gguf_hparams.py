@@ -20,13 +20,31 @@ def hparam(config, name, default=None):
     return default if value is None else value
 
 
-def rope(config) -> tuple[float, dict | None]:
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = hparam(config, "rope_theta", params.get("rope_theta", 10000.0))
-    scaling = getattr(config, "rope_scaling", None) or None
-    if scaling is None and params.get("rope_type", "default") != "default":
-        scaling = params
-    return float(theta), scaling
+def rope_parameters(config, layer_type: str = "full_attention") -> dict:
+    """The rotary settings of ``layer_type``'s layers as one dict (``rope_theta``, ``rope_type`` and the
+    scaling's fields), from either transformers 5's ``rope_parameters`` (one dict, or one per layer type
+    where the layers differ: Gemma 3's sliding layers have their own base) or 4.x's ``rope_theta`` +
+    ``rope_scaling`` (+ Gemma 3's ``rope_local_base_freq``, whose sliding layers are never scaled)."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        nested = {k: v for k, v in params.items() if isinstance(v, dict)}
+        if nested:
+            chosen = nested.get(layer_type) or nested.get("full_attention") or next(iter(nested.values()))
+            return dict(chosen)
+        return dict(params)
+    if layer_type == "sliding_attention" and hparam(config, "rope_local_base_freq") is not None:
+        return {"rope_type": "default", "rope_theta": float(config.rope_local_base_freq)}
+    out = dict(getattr(config, "rope_scaling", None) or {})
+    out["rope_theta"] = hparam(config, "rope_theta", 10000.0)
+    return out
+
+
+def rope(config, layer_type: str = "full_attention") -> tuple[float, dict | None]:
+    """(rotary base, the scaling dict or None when unscaled) of ``layer_type``'s layers."""
+    params = rope_parameters(config, layer_type)
+    theta = float(params.get("rope_theta", 10000.0))
+    kind = str(params.get("rope_type") or params.get("type") or "default").lower()
+    return theta, (params if kind != "default" else None)
 
 
 def head_dim(config) -> int:
@@ -210,4 +228,8 @@ def add_layer_types(writer, c, head_dim: int) -> None:
         raise GGUFExportError("config.layer_types has sliding-attention layers but config.sliding_window is unset")
     if hparam(c, "sliding_window"):  # written above; without the flags llama.cpp would assume its default
         writer.add_sliding_window_pattern(sliding)
-        writer.add_rope_freq_base_swa(float(hparam(c, "rope_local_base_freq", 10000.0)))
+        swa_theta, swa_scaling = rope(c, "sliding_attention")
+        if swa_scaling is not None:
+            raise GGUFExportError("the sliding-attention layers' rotary embedding is scaled; llama.cpp's gemma3 scales "
+                                  "only the full-attention layers; cannot export")
+        writer.add_rope_freq_base_swa(swa_theta)

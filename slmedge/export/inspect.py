@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ArtifactError, SlmedgeError
+from ..errors import ArtifactError, SlmedgeError, brief
 from ..fsutil import check_seal, sha256_file
 from ..models.artifact_format import MANIFEST, is_artifact
 from ..models.gguf_seal import MANIFEST_KEY
@@ -188,7 +188,7 @@ def inspect_gguf(path: Path) -> dict:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # noqa: BLE001 - the reader raises ValueError/struct errors on corrupt files
-        raise InspectError(f"{path} is not a readable GGUF file: {str(exc).splitlines()[0][:200]}") from exc
+        raise InspectError(f"{path} is not a readable GGUF file: {brief(exc, 200)}") from exc
     fields = {}
     for name, f in reader.fields.items():
         if name.startswith("tokenizer.ggml.") and name.rsplit(".", 1)[1] in ("tokens", "scores", "token_type", "merges"):
@@ -263,7 +263,7 @@ def inspect_onnx(path: Path) -> dict:
     try:
         model = onnx.load(str(f), load_external_data=False)
     except Exception as exc:  # noqa: BLE001 - protobuf decode errors
-        raise InspectError(f"{f} is not a readable ONNX model: {str(exc).splitlines()[0][:200]}") from exc
+        raise InspectError(f"{f} is not a readable ONNX model: {brief(exc, 200)}") from exc
     inputs = [i.name for i in model.graph.input]
     past = [n for n in inputs if n.startswith("past_key_values.")]
     ops: dict[str, int] = {}

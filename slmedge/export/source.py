@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..compress.artifact import MANIFEST, QUANT_FILE, Artifact
 from ..models.artifact_format import is_artifact, is_compact
+from ..errors import brief
 from .errors import ExportError
 
 
@@ -116,7 +117,7 @@ def open_export_source(source, lazy_layers: bool = False) -> ExportSource:
     try:
         config = AutoConfig.from_pretrained(str(path))
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds
-        raise ExportError(f"cannot read {path / 'config.json'}: {str(exc).splitlines()[0]}") from exc
+        raise ExportError(f"cannot read {path / 'config.json'}: {brief(exc)}") from exc
     return ExportSource(path, artifact, config, layers)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..backends.llamacpp import require_llama_cpp  # noqa: F401 - re-exported
-from ..errors import ModelLoadError, ModelNotFoundError, RuntimeNotInstalledError, SlmedgeError
+from ..errors import ModelLoadError, ModelNotFoundError, RuntimeNotInstalledError, SlmedgeError, brief
 from ..fsutil import atomic_directory, sha256_file, write_json_atomic
 from ..paths import cache_dir
 from .architectures import Architecture, architecture_for
@@ -437,8 +437,7 @@ def _load_tokenizer(target, source, revision, trust_remote_code, model_type=None
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
+    return brief(exc)
 
 
 # --- GGUF import ---------------------------------------------------------------------------
@@ -458,8 +457,12 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     check_gguf(gguf_path)  # a GGUF slmedge wrote: unchanged since (a foreign one has nothing to check)
     digest = sha256_file(gguf_path)
     # The embedded default and its file share it. "-2": conversions that keep the file's BOS flag;
-    # "-3": without the GGUF file itself copied in as tokenizer.model.
-    dest = cache_dir() / "models" / f"gguf-{digest[:16]}-3"
+    # "-3": without the GGUF file itself copied in as tokenizer.model; "-4": keyed by the libraries that
+    # wrote it (``conversion_libraries``): a tokenizer saved by one transformers release can load with
+    # other token ids under another (4.57's SmolLM2 tokenizer under 5.x: perplexity 81 instead of 24.8).
+    libraries = conversion_libraries()
+    tag = "-".join(f"{name}{version}" for name, version in libraries.items())
+    dest = cache_dir() / "models" / f"gguf-{digest[:16]}-4-{tag}"
     if (dest / SOURCE_FILE).is_file():
         if _cache_intact(dest):
             return dest
@@ -482,6 +485,7 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     except Exception as exc:
         raise ModelLoadError(f"transformers cannot import {gguf_path}: {_first_line(exc)}") from exc
     model.eval()
+    _drop_gguf_quantizer(model)
     _keep_bos_flag(tokenizer, gguf_path)
     from .gguf_tokenizer import repair_gguf_tokenizer
 
@@ -499,6 +503,7 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     record = {
         "gguf_sha256": digest,
         "gguf_file": gguf_path.name,
+        "libraries": libraries,
         "import_check": check,
         "tokenizer_repair": tokenizer_repair,
         "converted_s": round(time.perf_counter() - started, 1),
@@ -511,15 +516,37 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     return dest
 
 
+def _drop_gguf_quantizer(model) -> None:
+    """transformers 5 dequantizes a GGUF file into plain fp32 linears but keeps its GGUF quantizer on the
+    model (and a ``quantization_config`` in its config), and then refuses to save it ("not serializable").
+    The weights are plain tensors: the model is saved, and loaded back, as the fp32 model it is."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+
+
 _INTACT: dict = {}  # cache folder -> the files' (name, size, mtime) when last found intact in this process
 
 
+def conversion_libraries() -> dict[str, str]:
+    """The libraries whose release decides what a GGUF import writes and how it loads back (the
+    model's tensors, the tokenizer's files): its cache is keyed by them."""
+    import tokenizers
+    import transformers
+
+    return {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+
+
 def _cache_intact(dest: Path) -> bool:
-    """Whether a cached GGUF import still holds exactly the files its record lists (sha256 each)."""
+    """Whether a cached GGUF import still holds exactly the files its record lists (sha256 each), written
+    by the libraries loaded now."""
     record = _read_source_file(dest)
     files = record.get("files")
     if not isinstance(files, dict) or not files:
         return False  # written before records listed files, or damaged: convert again
+    if record.get("libraries") != conversion_libraries():
+        return False
     try:
         stamp = tuple((n, (dest / n).stat().st_size, (dest / n).stat().st_mtime_ns) for n in sorted(files))
     except OSError:

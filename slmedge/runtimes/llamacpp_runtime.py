@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ..backends.llamacpp import extra_buffers, load_llama, quiet_native_stderr
-from ..errors import ConfigError, CorruptModelError
+from ..errors import ConfigError, CorruptModelError, brief
 from .base import Runtime, _token_scores
 from .registry import register_runtime
 
@@ -27,7 +27,7 @@ class LlamaCppRuntime(Runtime):
                                       n_threads=self.threads, n_threads_batch=self.threads, n_gpu_layers=n_gpu_layers)
         except ValueError as exc:
             raise CorruptModelError(f"llama.cpp cannot load {self.path}: not a valid GGUF model "
-                                    f"({str(exc).splitlines()[0][:200]})") from exc
+                                    f"({brief(exc, 200)})") from exc
 
     @classmethod
     def open_file(cls, path, threads=None, n_ctx=2048, gpu=False, gpu_layers=-1):
