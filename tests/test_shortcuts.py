@@ -168,7 +168,8 @@ def test_the_propagation_pass_reuses_attentions_output(monkeypatch):
     arch = architecture_for(model.config)
     calls = {"n": 0}
     o_proj = model.get_submodule(f"{arch.layers}.0.self_attn.o_proj")
-    o_proj.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+    # real calls only: the capture pass learns the block's output form from one call on the meta device
+    o_proj.register_forward_hook(lambda _m, args, _out: calls.__setitem__("n", calls["n"] + (not args[0].is_meta)))
     recipe = Recipe(method="gptq", bits=4, group_size=16, nsamples=6, seqlen=24, batch_size=2)
     engine.compress_model(model, arch, recipe, _calibration(), "cpu", shortcuts=True)
     assert calls["n"] == 5, calls

@@ -187,7 +187,8 @@ def _block_output_form(layer: torch.nn.Module, idx: int, args: tuple, kw: dict) 
     """How ``layer``'s real forward packs its output, as a function of the hidden states to return.
 
     Learned from one call of the block's own forward on the meta device, with these arguments: shapes
-    and types only (no weight is read, nothing is computed). A bare tensor, or a tuple whose first
+    and types only (no weight is read, nothing is computed; forward hooks on the block's modules see that
+    one call, with meta tensors). A bare tensor, or a tuple whose first
     element is the hidden states and the rest None (no attention weights or cache are asked for)."""
     h = args[0] if args else kw["hidden_states"]
 
