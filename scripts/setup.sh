@@ -28,9 +28,10 @@ fi
 VPY=.venv/bin/python
 "$VPY" -m pip install -q --upgrade pip
 
-# torch first, pinned, so that a range elsewhere cannot pull a larger build. Override with
-# TORCH_SPEC (e.g. a CUDA build) if you need another one.
-"$VPY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+# torch first, pinned to the release the tests run on (2.14.1: inside vLLM 0.33's and GPTQModel 7.7's
+# ranges), so that a range elsewhere cannot pull another one. Override with TORCH_SPEC (e.g. a CPU-only
+# build from download.pytorch.org) if you need another one.
+"$VPY" -m pip install -q "${TORCH_SPEC:-torch==2.14.1}"
 
 # llama-cpp-python (compiled here), without llama.cpp's AMX kernels: on some machines with AMX (cloud
 # VMs, this project's among them) they crash the process with SIGSEGV at the first batch of a few
