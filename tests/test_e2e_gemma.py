@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from slmedge.errors import GGUFImportMismatchError
 from slmedge.models import source
+from slmedge.models.gguf_tokenizer import adds_bos
 
 pytestmark = pytest.mark.e2e
 
@@ -28,22 +29,49 @@ def gemma():
     return source.load("gemma3-270m"), gguf
 
 
-def test_gemma3_import_is_repaired_and_checked_against_llama_cpp(gemma):
+def test_gemma3_import_is_checked_against_llama_cpp(gemma):
     lm, gguf = gemma
     assert lm.arch.model_type == "gemma3_text"
-    assert lm.identity["tokenizer_repair"].startswith("SentencePiece-BPE rebuilt")
+    # transformers 4.x read this vocabulary as Unigram and slmedge rebuilt it; transformers 5 reads it as the
+    # SentencePiece BPE it is. Either way the import check holds it to llama.cpp's tokenization.
+    repair = lm.identity["tokenizer_repair"]
+    assert repair is None or repair.startswith("SentencePiece-BPE rebuilt")
     check = lm.identity["import_check"]
     assert check["mean_kl"] < 0.05 and check["top1_agreement"] > 0.85
-    assert lm.tokenizer.add_bos_token is True  # the file says to add BOS
+    assert adds_bos(lm.tokenizer)  # the file says to add BOS
 
 
-def test_transformers_own_gemma3_tokenizer_is_refused(gemma):
+def _unigram_reading(gguf):
+    """The file's tokenizer read as transformers 4.x read it: a Unigram model over the pieces' scores."""
+    import json
+
+    from gguf import GGUFReader
+    from tokenizers import Tokenizer
+
+    raw = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    fields = GGUFReader(str(gguf)).fields
+    tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8") for i in fields["tokenizer.ggml.tokens"].data]
+    scores = [float(fields["tokenizer.ggml.scores"].parts[i][0]) for i in fields["tokenizer.ggml.scores"].data]
+    state = json.loads(raw.backend_tokenizer.to_str())
+    unk = next(i for i, t in enumerate(tokens) if t == "<unk>")
+    state["model"] = {"type": "Unigram", "unk_id": unk, "byte_fallback": True,
+                      "vocab": [[t.replace(" ", "\u2581"), s] for t, s in zip(tokens, scores)]}
+    raw._tokenizer = Tokenizer.from_str(json.dumps(state))
+    return raw
+
+
+def test_a_wrong_reading_of_the_gemma3_tokenizer_is_refused_and_repaired(gemma):
     from slmedge.models.gguf_check import check_against_llamacpp
+    from slmedge.models.gguf_tokenizer import repair_gguf_tokenizer
 
     lm, gguf = gemma
-    raw = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)  # the Unigram reading
+    unigram = _unigram_reading(gguf)
     with pytest.raises(GGUFImportMismatchError, match="tokenize .* differently"):
-        check_against_llamacpp(lm.model, raw, gguf)
+        check_against_llamacpp(lm.model, unigram, gguf)
+    assert repair_gguf_tokenizer(unigram, gguf).startswith("SentencePiece-BPE rebuilt")
+    source._keep_bos_flag(unigram, gguf)  # as the import does: BOS as the file says
+    assert adds_bos(unigram)
+    check_against_llamacpp(lm.model, unigram, gguf)  # the rebuilt tokenizer passes
 
 
 def test_gemma3_tokenizes_every_corpus_and_task_as_llama_cpp_does(gemma):
@@ -90,14 +118,13 @@ def test_gemma3_torch_and_llama_cpp_agree_on_perplexity(gemma):
         assert abs(c.perplexity / t.perplexity - 1) < 0.05, (lang, t.perplexity, c.perplexity)
 
 
-def test_the_repaired_tokenizer_gives_llama_cpps_token_counts_not_twice_them(gemma):
+def test_the_imported_tokenizer_gives_llama_cpps_token_counts_not_twice_them(gemma):
     from slmedge.evaluate.corpora import load_corpus
 
     lm, gguf = gemma
-    raw = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     text = load_corpus("en")[:50_000]
     ours = len(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
-    unigram = len(raw(text, add_special_tokens=False)["input_ids"])
+    unigram = len(_unigram_reading(gguf)(text, add_special_tokens=False)["input_ids"])
     assert ours < 0.7 * unigram  # measured: 4,440 against 8,807 on the first 20,000 characters
 
 

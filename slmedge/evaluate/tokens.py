@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..models.gguf_tokenizer import adds_bos
+
 
 class Encoder:
     kind = ""
@@ -37,9 +39,7 @@ class HFEncoder(Encoder):
         self.tok = tokenizer
         self.bos_id = tokenizer.bos_token_id
         self.eos_id = tokenizer.eos_token_id
-        plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-        full = tokenizer("a")["input_ids"]
-        self.adds_bos = self.bos_id is not None and full[:1] == [self.bos_id] and full[1:] == plain
+        self.adds_bos = adds_bos(tokenizer)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False, verbose=False)["input_ids"])

@@ -71,7 +71,7 @@ def llamacpp_logits(gguf_path, token_ids: list[int], n_threads: int | None = Non
 
 def check_against_llamacpp(model, tokenizer, gguf_path, text: str = PROBE) -> dict:
     """Compare logits on ``text``; raise :class:`GGUFImportMismatchError` when they disagree."""
-    from .gguf_tokenizer import TOKENIZER_PROBE
+    from .gguf_tokenizer import TOKENIZER_PROBE, adds_bos
 
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     with vocab_only(gguf_path) as llm:
@@ -87,9 +87,8 @@ def check_against_llamacpp(model, tokenizer, gguf_path, text: str = PROBE) -> di
     # Logits on what the model is given in use: with BOS when the file says to add it. (Gemma 3
     # without its BOS has no attention sink, and the two runtimes' small rounding differences
     # grow: mean KL 0.086 on this probe against 0.010 with it.)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if getattr(tokenizer, "add_bos_token", False) and bos is not None:
-        ids = [bos] + list(ids)
+    if adds_bos(tokenizer):
+        ids = [tokenizer.bos_token_id] + list(ids)
     with torch.no_grad():
         hf = model(torch.tensor([ids])).logits[0].float().numpy()
     cpp = llamacpp_logits(gguf_path, ids)

@@ -28,6 +28,7 @@ from ..errors import ModelLoadError, ModelNotFoundError, RuntimeNotInstalledErro
 from ..fsutil import atomic_directory, sha256_file, write_json_atomic
 from ..paths import cache_dir
 from .architectures import Architecture, architecture_for
+from .gguf_tokenizer import adds_bos
 from .artifact_format import (QUANT_FILE, V1_WEIGHTS_FILE, WEIGHTS_FILE, format_version, is_artifact, open_manifest,
                               safetensors_header)
 
@@ -570,8 +571,13 @@ def _keep_bos_flag(tokenizer, gguf_path: Path) -> None:
             wanted = bool(llm._model.add_bos_token())
     except (ValueError, RuntimeNotInstalledError):
         return
-    if hasattr(tokenizer, "add_bos_token") and bool(tokenizer.add_bos_token) != wanted:
-        tokenizer.add_bos_token = wanted
+    if adds_bos(tokenizer) != wanted and hasattr(tokenizer, "add_bos_token"):
+        tokenizer.add_bos_token = wanted  # transformers rebuilds the tokenizer's post-processor from it
+    if adds_bos(tokenizer) != wanted:
+        raise ModelLoadError(f"the tokenizer transformers made of {gguf_path.name} cannot be set to "
+                             f"{'add' if wanted else 'leave out'} BOS as the file says; refusing a tokenizer that "
+                             "would give the model other tokens than llama.cpp does")
+
 
 
 __all__ = ["DEFAULT_MODEL", "EMBEDDED", "LoadedModel", "ModelSource", "SlmedgeError", "load", "resolve"]
