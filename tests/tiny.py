@@ -108,9 +108,9 @@ def tiny_model(model_type: str, seed: int = 0, layers: int = 2):
     return model.eval()
 
 
-def save_tiny(model_type: str, path: Path, seed: int = 0) -> Path:
+def save_tiny(model_type: str, path: Path, seed: int = 0, layers: int = 2) -> Path:
     path = Path(path)
-    tiny_model(model_type, seed).save_pretrained(path, safe_serialization=True)
+    tiny_model(model_type, seed, layers).save_pretrained(path, safe_serialization=True)
     tiny_tokenizer(model_type).save_pretrained(path)
     return path
 
