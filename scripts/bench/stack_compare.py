@@ -48,7 +48,7 @@ def slmedge(python: str, checkout: Path, *args: str, log: Path) -> float:
     with log.open("a") as f:
         f.write(f"$ slmedge {' '.join(args)}\n")
         f.flush()
-        done = subprocess.run([python, "-m", "slmedge.cli", *args], env=env, stdout=f, stderr=subprocess.STDOUT)
+        done = subprocess.run([python, "-m", "slmedge", *args], env=env, stdout=f, stderr=subprocess.STDOUT)
     if done.returncode:
         raise SystemExit(f"slmedge {' '.join(args)} failed ({done.returncode}); see {log}")
     return time.perf_counter() - started
