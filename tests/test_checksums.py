@@ -288,3 +288,15 @@ def test_the_reference_task_cache_is_used_only_as_written_and_keyed_by_the_task_
                                       encoding="utf-8")
     assert runner.invoke(app, args).exit_code == 0
     assert len(set((session_cache / "reference").glob("task-*.json")) - before) == 2
+
+
+def test_reference_outputs_are_keyed_by_the_libraries_that_computed_them(monkeypatch):
+    """Cached reference log-probs and task predictions are not reused under another torch or transformers."""
+    from slmedge.compress import artifact
+    from slmedge.evaluate.fidelity import identity_key
+
+    ident = {"sha256": "abc", "path": "/m", "name": "m"}
+    now = identity_key(ident, "torch")
+    other = {**artifact.library_versions(), "transformers": "9.9.9"}
+    monkeypatch.setattr(artifact, "library_versions", lambda: other)
+    assert identity_key(ident, "torch") != now

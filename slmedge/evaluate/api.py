@@ -329,13 +329,15 @@ class Evaluation:
         """The reference's predictions, cached on disk (per reference identity, task and limit)."""
         import hashlib
 
+        from ..compress.artifact import library_versions
         from ..paths import cache_dir
         from .tasks import ItemScore, run_task, task_file
 
         # Keyed by the task file's content too: an edited task file is scored again.
         content = sha256_file(task_file(name, self.settings.data_dir))
         key = hashlib.sha256(json.dumps([ref.identity.get("sha256"), ref.runtime.name, name, content,
-                                         self.settings.limit, max_len], default=str).encode()).hexdigest()[:24]
+                                         self.settings.limit, max_len, library_versions()],
+                                        default=str).encode()).hexdigest()[:24]
         path = cache_dir() / "reference" / f"task-{key}.json"
         if path.is_file():
             try:

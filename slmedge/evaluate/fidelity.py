@@ -149,5 +149,9 @@ def task_flips(candidate_scores, reference_scores, norm: bool = False) -> float:
 
 
 def identity_key(identity: dict, runtime: str) -> str:
+    """What the reference's cached outputs are keyed by: the model, its runtime, and the libraries that
+    compute them (another transformers or llama.cpp release may give other logits)."""
+    from ..compress.artifact import library_versions
+
     return json.dumps({"sha256": identity.get("sha256"), "path": identity.get("path"), "name": identity.get("name"),
-                       "runtime": runtime}, sort_keys=True)
+                       "runtime": runtime, "libraries": library_versions()}, sort_keys=True)

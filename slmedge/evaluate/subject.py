@@ -10,6 +10,8 @@ cache and run from there, so all three runtimes serve every source.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,7 +92,11 @@ def _export_base(manifest: dict | None) -> str | None:
 def _cached_export(folder: Path, fmt: str) -> Path:
     """An export of ``folder`` in the cache (auto type: the artifact's codes where they fit)."""
     export_format = get_format(fmt)
-    key = _sha256_files([p for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")])[:16]
+    from ..compress.artifact import library_versions
+
+    # the folder's files and the libraries that write and check the export (another release writes another file)
+    files = _sha256_files([p for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")])
+    key = hashlib.sha256(json.dumps([files, library_versions()], sort_keys=True).encode()).hexdigest()[:16]
     root = cache_dir() / "exports"
     root.mkdir(parents=True, exist_ok=True)
     out = root / export_format.output_name(f"{key}-{fmt}")
