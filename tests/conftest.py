@@ -51,6 +51,21 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def wide_models(tmp_path_factory):
+    """model_type -> a saved tiny HF folder of the WIDE shape (tests/tiny.py: 256-wide attention and MLP
+    inputs, a 288-wide down projection), built lazily, once per session."""
+    root = tmp_path_factory.mktemp("tiny-wide")
+    built: dict[str, Path] = {}
+
+    def get(model_type: str) -> Path:
+        if model_type not in built:
+            built[model_type] = save_tiny(model_type, root / model_type, wide=True)
+        return built[model_type]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def calib_file(tmp_path_factory) -> Path:
     return calib_text(tmp_path_factory.mktemp("calib") / "calib.txt")
 

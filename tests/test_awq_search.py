@@ -170,9 +170,9 @@ def test_the_bf16_search_returns_the_fp32_searchs_scales_with_fewer_fp32_forward
     evaluated = []
     grid = mawq.grid_losses
 
-    def counting(module, calls, linears, x_mean, spec, n_grid, dtype=torch.float32, points=None, reference=None):
+    def counting(module, calls, linears, x_mean, spec, n_grid, dtype=torch.float32, points=None, reference=None, **kw):
         evaluated.append((dtype, len(points)))
-        return grid(module, calls, linears, x_mean, spec, n_grid, dtype, points, reference)
+        return grid(module, calls, linears, x_mean, spec, n_grid, dtype, points, reference, **kw)
 
     monkeypatch.setattr(mawq, "grid_losses", counting)
     fp32 = method._search(module, calls, linears, x_mean, spec, 20, torch.float32)

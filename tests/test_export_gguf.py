@@ -295,7 +295,7 @@ def test_refusals(tiny_models, tmp_path):
     with pytest.raises(UnsupportedArchitectureError):
         export_gguf(tiny_models("gemma2"), tmp_path / "g.gguf", verify=False)
     with pytest.raises(GGUFExportError, match="unknown GGUF type"):
-        export_gguf(tiny_models("llama"), tmp_path / "x.gguf", qtype="q5_k")
+        export_gguf(tiny_models("llama"), tmp_path / "x.gguf", qtype="q7_z")
     with pytest.raises(GGUFExportError, match="neither"):
         export_gguf(tmp_path, tmp_path / "x.gguf")
     (tmp_path / "exists.gguf").write_bytes(b"x")
@@ -515,8 +515,8 @@ def test_requantized_file_whose_placed_codes_changed_is_refused(artifacts, tmp_p
     art_dir = artifacts("llama", "awq", bits=4, group_size=32, symmetric=False)
     real = gx.llamacpp_quantize
 
-    def quantize_and_flip(src, dst, qtype, n_threads=None):
-        real(src, dst, qtype, n_threads)
+    def quantize_and_flip(src, dst, qtype, n_threads=None, **kw):
+        real(src, dst, qtype, n_threads, **kw)
         t = next(t for t in gguf.GGUFReader(str(dst)).tensors if t.name == "blk.1.ffn_down.weight")
         with open(dst, "r+b") as f:
             f.seek(int(t.data_offset) + int(t.n_bytes) // 2)

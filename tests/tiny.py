@@ -35,14 +35,29 @@ def _common_depth(layers: int, **over):
     return base
 
 
-def tiny_config(model_type: str, layers: int = 2, **over):
+# A wider shape whose attention and MLP inputs are 256 wide (llama.cpp's K-quant and IQ4_XS super-blocks
+# divide them) and whose down projection's input (288 = 9 x 32) is not: both the K-quants themselves and
+# llama.cpp's fallback for them show in one model. Four heads of 64.
+WIDE = dict(hidden_size=256, intermediate_size=288)
+
+
+def tiny_config(model_type: str, layers: int = 2, wide: bool = False, **over):
     """A tiny config of ``model_type`` with ``layers`` decoder blocks (Gemma's alternate sliding-window
     and full attention, as the real models do); ``over`` replaces any setting, given to the constructor
-    (e.g. ``rope_scaling``, which transformers 5 turns into its ``rope_parameters`` there)."""
+    (e.g. ``rope_scaling``, which transformers 5 turns into its ``rope_parameters`` there). ``wide``: the
+    ``WIDE`` shape (hidden 256) instead of hidden 64, whose rows no 256-wide super-block divides."""
     from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
                               Qwen2Config, Qwen3Config)
 
+    head_dim = 64 if wide else 16
+    if wide:
+        over = {**WIDE, **over}
+
     def _common(**model_kw):
+        if wide and "head_dim" in model_kw:
+            model_kw["head_dim"] = head_dim
+            if "query_pre_attn_scalar" in model_kw:
+                model_kw["query_pre_attn_scalar"] = head_dim
         return _common_depth(layers, **{**model_kw, **over})
     if model_type == "llama":  # kv heads == heads, so AWQ's v_proj -> o_proj mapping is exercised
         return LlamaConfig(**_common(num_key_value_heads=4, tie_word_embeddings=True))
@@ -94,11 +109,11 @@ def tiny_tokenizer(model_type: str | None = None):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
-def tiny_model(model_type: str, seed: int = 0, layers: int = 2):
+def tiny_model(model_type: str, seed: int = 0, layers: int = 2, wide: bool = False):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, layers), attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, layers, wide), attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # random norms make scale-folding checks meaningful
@@ -108,9 +123,9 @@ def tiny_model(model_type: str, seed: int = 0, layers: int = 2):
     return model.eval()
 
 
-def save_tiny(model_type: str, path: Path, seed: int = 0, layers: int = 2) -> Path:
+def save_tiny(model_type: str, path: Path, seed: int = 0, layers: int = 2, wide: bool = False) -> Path:
     path = Path(path)
-    tiny_model(model_type, seed, layers).save_pretrained(path, safe_serialization=True)
+    tiny_model(model_type, seed, layers, wide).save_pretrained(path, safe_serialization=True)
     tiny_tokenizer(model_type).save_pretrained(path)
     return path
 

@@ -12,22 +12,23 @@ from rich.table import Table
 from ..compress.api import compress
 from ..compress.methods import METHODS
 from ..compress.recipe import DEFAULT_SKIP, Recipe
+from ..models.grids import GRIDS
 from .common import check_model, check_output_dir, console, errors_to_exit, progress_bar
 from .data import DATA_DIR_HELP
 
 
 def recipe_from_options(method, bits, group_size, symmetric, sparsity, calibration, nsamples, seqlen, seed, batch_size,
                         skip, include_head, damp, block_size, act_order, true_sequential, awq_grid, awq_clip,
-                        awq_max_tokens, awq_search_dtype) -> Recipe:
+                        awq_max_tokens, awq_search_dtype, grid=None, bpw=None, importance=None) -> Recipe:
     info = METHODS.get(method)
-    if bits is None and info is not None and info.kind == "quantize":
+    if bits is None and info is not None and info.kind == "quantize" and grid is None and bpw is None:
         bits = 4
     skip_patterns = tuple(p for p in DEFAULT_SKIP if not (include_head and p == "lm_head")) + tuple(skip or ())
     return Recipe(method=method, bits=bits, group_size=group_size, symmetric=symmetric, sparsity=sparsity,
                   calibration=calibration, nsamples=nsamples, seqlen=seqlen, seed=seed, batch_size=batch_size,
                   skip=skip_patterns, damp=damp, block_size=block_size, act_order=act_order,
                   true_sequential=true_sequential, awq_grid=awq_grid, awq_clip=awq_clip, awq_max_tokens=awq_max_tokens,
-                  awq_search_dtype=awq_search_dtype)
+                  awq_search_dtype=awq_search_dtype, grid=grid, bpw=bpw, importance=importance)
 
 
 def check_compress(model, recipe: Recipe, output, *, overwrite: bool, revision=None, data_dir=None,
@@ -60,7 +61,9 @@ def print_summary(outcome, as_json: bool = False) -> None:
     table.add_row("architecture", outcome.manifest["architecture"])
     table.add_row("compressed linears", f"{s['compressed_linears']} ({s['compressed_parameters']:,} of {s['parameters']:,} parameters)")
     if s["bits_per_weight"] is not None:
-        table.add_row("bits per compressed weight", f"{s['bits_per_weight']:.3f} (codes + fp16 scales + zero points)")
+        what = "GGUF blocks: codes + scales" if outcome.manifest.get("recipe", {}).get("grid") or \
+            outcome.manifest.get("recipe", {}).get("bpw") else "codes + fp16 scales + zero points"
+        table.add_row("bits per compressed weight", f"{s['bits_per_weight']:.3f} ({what})")
     if s["sparsity"]:
         table.add_row("sparsity of compressed linears", f"{s['sparsity']:.2%}")
     calib = outcome.manifest.get("calibration")
@@ -74,6 +77,9 @@ def print_summary(outcome, as_json: bool = False) -> None:
 
 
 METHOD_HELP = "Method: " + ", ".join(METHODS) + "."
+GRID_HELP = ("Quantize onto one of llama.cpp's grids instead of the uniform one (--bits/--group-size/--sym): "
+             + ", ".join(GRIDS) + ". Its codes are kept exactly in the GGUF; rows its super-blocks do not divide "
+             "take llama.cpp's own fallback type.")
 
 
 def compress_command(
@@ -82,6 +88,9 @@ def compress_command(
     bits: Optional[int] = typer.Option(None, "--bits", "-b", help="Bit width 2..8 (default 4 for quantizers; pruners only quantize when given)."),
     group_size: int = typer.Option(128, "--group-size", "-g", help="Columns per scale; -1 for per-channel. A last, shorter group is handled."),
     symmetric: bool = typer.Option(False, "--sym/--asym", help="Symmetric (zero point 2^(b-1)) or asymmetric grid."),
+    grid: Optional[str] = typer.Option(None, "--grid", help=GRID_HELP),
+    bpw: Optional[float] = typer.Option(None, "--bpw", help="Mix llama.cpp's grids to this many bits per weight of the compressed linears (codes and scales as GGUF stores them), each linear's grid from measured sensitivity; lands within 1% below it."),
+    importance: Optional[bool] = typer.Option(None, "--importance/--no-importance", help="On a llama.cpp grid: weigh each weight by its input channel's mean square over the calibration text when searching scales (default: GPTQ/AWQ/Wanda do, RTN does not; --importance makes RTN calibrate)."),
     sparsity: Optional[str] = typer.Option(None, "--sparsity", "-s", help="Pruning: a ratio in [0, 1) or N:M (N zeros in every M weights), e.g. 0.5 or 2:4."),
     calibration: str = typer.Option("c4", "--calibration", "-c", help="c4, multilingual[:LANGS], a .txt/.jsonl file, or hf:DATASET[:CONFIG][:SPLIT]."),
     nsamples: int = typer.Option(128, "--nsamples", help="Calibration samples."),
@@ -116,11 +125,14 @@ def compress_command(
       slmedge compress MODEL --method wanda --sparsity 0.5
       slmedge compress MODEL --method sparsegpt --sparsity 2:4 --bits 8
       slmedge compress model.gguf --method rtn --bits 8 --group-size -1 --sym
+      slmedge compress MODEL --method gptq --grid q4_k -o out/gptq-q4k      # llama.cpp's Q4_K, codes kept in GGUF
+      slmedge compress MODEL --method rtn --grid iq4_nl --importance         # importance-weighted rounding
+      slmedge compress MODEL --method awq --bpw 4.8                          # mixed grids to 4.8 bits per weight
     """
     with errors_to_exit():
         recipe = recipe_from_options(method, bits, group_size, symmetric, sparsity, calibration, nsamples, seqlen, seed,
                                      batch_size, skip, include_head, damp, block_size, act_order, true_sequential,
-                                     awq_grid, awq_clip, awq_max_tokens, awq_search_dtype)
+                                     awq_grid, awq_clip, awq_max_tokens, awq_search_dtype, grid, bpw, importance)
         output = check_compress(model, recipe, output, overwrite=overwrite, revision=revision, data_dir=data_dir,
                                 text_field=text_field)
         with progress_bar() as progress:

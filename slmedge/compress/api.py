@@ -38,7 +38,11 @@ class CompressOutcome:
 def default_output(source_name: str, recipe: Recipe) -> Path:
     base = Path(source_name.rstrip("/")).name.removesuffix(".gguf").lower() or "model"
     parts = [base, recipe.method]
-    if recipe.bits is not None:
+    if recipe.grid is not None:
+        parts.append(recipe.grid + ("-imp" if recipe.importance else ""))
+    elif recipe.bpw is not None:
+        parts.append(f"bpw{recipe.bpw:g}".replace(".", "p"))
+    elif recipe.bits is not None:
         g = "ch" if recipe.group_size == -1 else recipe.group_size
         parts.append(f"w{recipe.bits}g{g}{'s' if recipe.symmetric else ''}")
     if recipe.sparsity is not None:
@@ -57,6 +61,9 @@ def check_compatible(loaded: LoadedModel, recipe: Recipe) -> None:
       (``QuantSpec.group_width``), and their scales show it (one column per row).
     - The calibration windows must fit the model's positions (``max_position_embeddings``).
     - At least one linear must be left to compress.
+    - On a llama.cpp grid, every compressed linear's rows must fit the grid or llama.cpp's fallback for
+      their width (32-wide blocks at least); a bits-per-weight budget must be reachable with its grids
+      (``budget.check_budget``).
     """
     arch = loaded.arch
     spars = recipe.sparsity
@@ -79,8 +86,22 @@ def check_compatible(loaded: LoadedModel, recipe: Recipe) -> None:
                 f"{spars.n}:{spars.m} sparsity needs input widths divisible by {spars.m}; {name} has {cols} "
                 f"(try M in {divisors})"
             )
+    if recipe.on_grid:
+        from ..models.grids import GRIDS, grid_for_width
+
+        for name, cols in widths.items():
+            for grid in ([recipe.grid] if recipe.grid is not None else list(GRIDS)):
+                try:
+                    grid_for_width(grid, cols)
+                except ConfigError as exc:
+                    raise ConfigError(f"{name}: {exc}") from None
+        if recipe.bpw is not None:
+            from .budget import check_budget
+
+            shapes = {name: (model.get_submodule(name).out_features, cols) for name, cols in widths.items()}
+            check_budget(shapes, recipe.bpw)
     g = recipe.group_size
-    if recipe.bits is not None and g != -1:
+    if recipe.bits is not None and g != -1 and not recipe.on_grid:
         widest = max(widths, key=widths.get)
         if g > widths[widest]:
             raise ConfigError(

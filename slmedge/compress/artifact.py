@@ -3,7 +3,10 @@
 - ``config.json``, ``generation_config.json``, tokenizer files.
 - ``quantization.safetensors``: per quantized linear the packed integer codes, fp16 scales,
   zero points and (act-order) column order; per pruned linear the bit-packed keep-mask; the
-  searches' plain results (AWQ scales). Its metadata says bits, group size and symmetry.
+  searches' plain results (AWQ scales). Its metadata says bits, group size and symmetry. A linear on
+  one of llama.cpp's grids (format version 3) has its codes and the grid's fields instead
+  (``<linear>.grid_d`` fp16 scales, ``grid_m``/``grid_dmin`` fp16 mins, ``grid_sc``/``grid_mc``
+  integer sub-block codes; ``models.grids``), and its metadata names the grid.
 - ``weights.safetensors`` (format version 2, the default): every tensor not rebuilt from the
   codes, in the source model's dtype when that holds it exactly (else fp32: AWQ's scaled norms,
   SparseGPT's updated kept values of a bf16 model), and each pruned-only linear's kept values.
@@ -33,9 +36,11 @@ from safetensors.torch import save_file
 
 from .. import __version__
 from ..fsutil import atomic_directory, sealed, sha256_file, write_json_atomic
-from ..models.artifact_format import (FORMAT, FORMAT_VERSION, MANIFEST, QUANT_FILE, WEIGHTS_FILE, format_version,
-                                      is_artifact, manifest_path, open_manifest, read_manifest, verify_files)
-from ..models.artifact_weights import KEPT_SUFFIX, rebuild_linear
+from ..models.artifact_format import (FORMAT, FORMAT_VERSION, GRID_VERSION, MANIFEST, QUANT_FILE, WEIGHTS_FILE,
+                                      format_version, is_artifact, manifest_path, open_manifest, read_manifest,
+                                      verify_files)
+from ..models.artifact_weights import GRID_FIELD_PREFIX, KEPT_SUFFIX, rebuild_linear
+from ..models.grids import get_grid
 from .methods.base import LinearResult
 from .quant import QuantSpec, codes_per_byte, pack_codes, pack_mask, unpack_codes, unpack_mask
 
@@ -65,7 +70,18 @@ def quant_tensors(layers: dict[str, LinearResult], extras: dict[str, torch.Tenso
     for name, res in layers.items():
         rows, cols = res.weight.shape
         entry = {"shape": [rows, cols]}
-        if res.codes is not None:
+        if res.codes is not None and res.fields is not None:  # a llama.cpp grid (format version 3)
+            grid = res.spec
+            entry.update(grid=grid.name, bits=grid.bits, codes_per_byte=codes_per_byte(grid.bits),
+                         act_order=res.perm is not None)
+            tensors[f"{name}.qweight"] = pack_codes(res.codes, grid.bits)
+            for field in grid.fields:
+                value = res.fields[field]
+                dtype = torch.float16 if field in ("d", "m", "dmin") else torch.uint8
+                tensors[f"{name}.{GRID_FIELD_PREFIX}{field}"] = value.to(dtype).contiguous()
+            if res.perm is not None:
+                tensors[f"{name}.perm"] = res.perm.to(torch.int32).contiguous()
+        elif res.codes is not None:
             spec = res.spec
             entry.update(bits=spec.bits, group_size=spec.group_size, symmetric=spec.symmetric,
                          codes_per_byte=codes_per_byte(spec.bits), act_order=res.perm is not None)
@@ -204,18 +220,25 @@ class CompactWeights:
 
 
 def write_artifact(dest, model, tokenizer, layers, extras, manifest: dict, overwrite: bool = False, *,
-                   source_dir=None, version: int = FORMAT_VERSION, compact: CompactWeights | None = None) -> Path:
+                   source_dir=None, version: int | None = None, compact: CompactWeights | None = None) -> Path:
     """Write the whole directory under a temporary name, manifest last, then rename it into place.
 
     ``compact``: the tensors, gathered block by block while compressing (``CompactWeights``); the
     model then only gives its config (its blocks may be gone), and ``layers``/``extras`` are not read.
     Without it they come from the whole ``model`` and ``layers``. ``source_dir``: the source model's
     folder, whose safetensors dtypes the untouched tensors keep (fp32 without one). ``version=1``
-    writes the previous layout (dense fp32 ``model.safetensors``; a whole model needed).
+    writes the previous layout (dense fp32 ``model.safetensors``; a whole model needed). The default is
+    the lowest version that holds what there is: 2, or 3 where a linear is on a llama.cpp grid.
     """
     started = time.perf_counter()
-    if version not in (1, 2):
+    on_grids = any(r.fields is not None for r in (layers or {}).values() if r is not None)
+    if compact is not None:
+        on_grids = any("grid" in e for e in compact.meta.values())
+    version = (GRID_VERSION if on_grids else 2) if version is None else version
+    if version not in (1, 2, 3):
         raise ValueError(f"artifact format version {version} cannot be written")
+    if on_grids and version < GRID_VERSION:
+        raise ValueError(f"linears on llama.cpp's grids need artifact format version {GRID_VERSION}")
     if version == 1 and compact is not None:
         raise ValueError("a version-1 artifact is written from the whole model, not from compact tensors")
     with atomic_directory(dest, overwrite=overwrite, manifest=MANIFEST) as tmp:
@@ -296,7 +319,14 @@ class Artifact:
             for name, entry in meta.items():
                 rows, cols = entry["shape"]
                 res = LinearResult(weight=None)
-                if "bits" in entry:
+                if "grid" in entry:
+                    grid = get_grid(entry["grid"])
+                    res.spec = grid
+                    res.codes = unpack_codes(f.get_tensor(f"{name}.qweight"), grid.bits, cols)
+                    res.fields = {fld: f.get_tensor(f"{name}.{GRID_FIELD_PREFIX}{fld}") for fld in grid.fields}
+                    if f"{name}.perm" in keys:
+                        res.perm = f.get_tensor(f"{name}.perm").long()
+                elif "bits" in entry:
                     spec = QuantSpec(entry["bits"], entry["group_size"], entry["symmetric"])
                     res.spec = spec
                     res.codes = unpack_codes(f.get_tensor(f"{name}.qweight"), spec.bits, cols)

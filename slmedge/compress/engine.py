@@ -9,6 +9,7 @@ one linear (or, for a block-level method such as AWQ, ``Method.block_level``, on
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import functools
 import itertools
@@ -24,7 +25,7 @@ from ..models.architectures import Architecture
 from .blocks import BlockInputs, run_block
 from .hooks import StopForward, linear_inputs, module_calls
 from .methods import get_method
-from .methods.base import LinearResult
+from .methods.base import InputNormStats, LinearResult
 from .recipe import Recipe
 from .shortcuts import BlockShortcuts, Checks, plan_bytes
 
@@ -49,16 +50,20 @@ class CompressionResult:
 
 def layer_counts(res: LinearResult) -> dict:
     """What one compressed linear adds to the summary: its parameters, kept and masked weights, and
-    the bits of its codes (each code's bits plus, per group, an fp16 scale and a zero point)."""
+    the bits of its codes (each code's bits plus, per group, an fp16 scale and a zero point; on a
+    llama.cpp grid, its GGUF blocks' bits: codes, scales, mins and sub-block codes)."""
     out = {"parameters": res.weight.numel(), "kept": 0, "masked": 0, "quantized": 0, "code_bits": 0}
     if res.mask is not None:
         out["kept"], out["masked"] = int(res.mask.sum()), res.mask.numel()
     if res.codes is not None:
-        rows = res.codes.shape[0]
-        groups = res.scales.shape[1]
-        zero_bits = 0 if res.spec.symmetric else res.spec.bits
         out["quantized"] = res.codes.numel()
-        out["code_bits"] = res.codes.numel() * res.spec.bits + rows * groups * (16 + zero_bits)
+        if res.fields is not None:  # a llama.cpp grid: its GGUF blocks' bits
+            out["code_bits"] = round(res.codes.numel() * res.spec.bits_per_weight)
+        else:
+            rows = res.codes.shape[0]
+            groups = res.scales.shape[1]
+            zero_bits = 0 if res.spec.symmetric else res.spec.bits
+            out["code_bits"] = res.codes.numel() * res.spec.bits + rows * groups * (16 + zero_bits)
     return out
 
 
@@ -283,6 +288,12 @@ def compress_model(
         batches = list(torch.split(calibration, recipe.batch_size))
         inputs = capture_inputs(model, arch, batches, device)
         result.timings["capture_s"] = time.perf_counter() - started
+    if recipe.bpw is not None:
+        began = time.perf_counter()
+        method.assigned = budget_grids(model, arch, recipe, inputs, device, progress)
+        result.timings["budget_s"] = time.perf_counter() - began
+    if not (method.block_level or method.stats_class is not None):
+        inputs = None  # a data-free method that calibrated only for its budget: nothing to propagate
 
     checks = None  # the short-cuts' checks (shortcuts.Checks), False where they do not fit
     plan = None
@@ -351,6 +362,49 @@ def compress_model(
     result.layers.update(outside)
     result.timings["compress_s"] = time.perf_counter() - started
     return result
+
+
+@torch.no_grad()
+def budget_grids(model, arch: Architecture, recipe: Recipe, inputs: BlockInputs, device, progress=None) -> dict:
+    """The llama.cpp grid of every compressed linear for ``recipe.bpw`` (``compress.budget``): one pass of
+    the uncompressed model over the calibration data measures each linear's input mean squares and, from
+    them, the sensitivity of its output to each grid; the allocation then picks the grids. Each block is
+    worked on as an fp32 copy (the model itself is not changed); the hidden states are the pass's own."""
+    from .budget import allocate, candidates, sensitivity
+
+    layers = model.get_submodule(arch.layers)
+    hidden = list(inputs.hidden)
+    shapes, errors = {}, {}
+    weighted = recipe.importance is not False
+
+    def measure(name, weight, stats):
+        shapes[name] = tuple(weight.shape)
+        errors[name] = sensitivity(weight, stats.importance(), candidates(weight.shape[1]), weighted)
+
+    for idx, layer in enumerate(layers):
+        work = copy.deepcopy(layer)
+        _to_compute(work, device)
+        todo = block_linears(work, arch, f"{arch.layers}.{idx}", recipe.skip)
+        stats = collect_stats(work, idx, todo, BlockInputs(hidden, inputs._kwargs), InputNormStats, device)
+        for name, lin in todo.items():
+            measure(name, lin.weight.data, stats[name])
+        for i, h in enumerate(hidden):
+            hidden[i] = run_block(work, h, inputs.kwargs(idx, h))
+        del work, stats
+        if progress:
+            progress("sensitivity", idx + 1, len(layers))
+    if not is_skipped(arch.lm_head, recipe.skip):
+        head, norm = model.get_submodule(arch.lm_head), model.get_submodule(arch.final_norm)
+        stats = InputNormStats(head.in_features, device)
+        for h in hidden:
+            stats.add_batch(norm(h))
+        measure(arch.lm_head, head.weight.data.float(), stats)
+    picked = allocate(shapes, errors, recipe.bpw)
+    if picked is None:  # check_budget refused what no choice reaches: this is not expected
+        raise ConfigError(f"no choice of llama.cpp's grids lands within the budget of {recipe.bpw:g} bits per weight")
+    from ..models.grids import GRIDS
+
+    return {name: GRIDS[g] for name, g in picked.items()}
 
 
 def _shortcuts_fit(layer, groups, inputs: BlockInputs, device) -> bool:
@@ -450,6 +504,8 @@ def _apply(linear: torch.nn.Linear, res: LinearResult) -> LinearResult:
         value = getattr(res, attr)
         if value is not None:
             setattr(res, attr, value.cpu())
+    if res.fields is not None:
+        res.fields = {k: v.cpu() for k, v in res.fields.items()}
     return res
 
 

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from ..models.grids import Grid, get_grid
 from ..models.codes import (codes_per_byte, dequantize, dequantize_grouped, expand_columns, group_width, pack_codes,
                             pack_mask, unpack_codes, unpack_mask)
 
-__all__ = ["QuantSpec", "codes_per_byte", "dequantize", "dequantize_codes", "expand_groups", "fake_quantize",
+__all__ = ["Grid", "QuantSpec", "entry_spec", "fake_quantize_any", "quantize_any", "codes_per_byte", "dequantize", "dequantize_codes", "expand_groups", "fake_quantize",
            "find_params", "group_params", "pack_codes", "pack_mask", "quantize", "quantize_groups", "unpack_codes", "unpack_mask"]
 
 
@@ -179,3 +180,39 @@ def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 # Packing for storage (codes_per_byte, pack_codes, unpack_codes, pack_mask, unpack_mask) and the
 # dequantization arithmetic are defined in models.codes, which reads them when a compact artifact
 # is loaded; they are imported above.
+
+
+# --- either grid: the uniform one (QuantSpec) or one of llama.cpp's (models.grids.Grid) ------------
+
+
+def quantize_any(w: torch.Tensor, spec, clip=None, importance: torch.Tensor | None = None, overwrite: bool = False,
+                 quick: bool = False):
+    """Round ``w`` (rows, cols) onto ``spec``: (dequantized fp32, codes uint8, scales, zeros, fields).
+
+    The uniform grid (``QuantSpec``): ``quantize_groups`` (min/max scales; ``importance`` unused),
+    fields None. A llama.cpp grid: the importance-weighted scale search (``grid_fit.fit``; ``clip``
+    per sub-block; ``quick``: a quarter of its candidates), scales and zeros None, fields its fp16 scales
+    and integer sub-block codes."""
+    if isinstance(spec, Grid):
+        from .grid_fit import fit
+
+        found = fit(spec, w, importance, clip, quick=quick)
+        return found.weight, found.codes, None, None, found.fields
+    deq, codes, scales, zeros = quantize_groups(w, spec, clip=clip, overwrite=overwrite)
+    return deq, codes, scales, zeros, None
+
+
+def fake_quantize_any(w: torch.Tensor, spec, clip=None, importance: torch.Tensor | None = None,
+                      quick: bool = False) -> torch.Tensor:
+    """The dequantized weight of ``quantize_any`` alone."""
+    return quantize_any(w, spec, clip=clip, importance=importance, quick=quick)[0]
+
+
+def entry_spec(entry: dict):
+    """The grid of an artifact's layer entry (its manifest's ``layers``): a llama.cpp ``Grid``, the uniform
+    ``QuantSpec``, or None for a linear that is only pruned."""
+    if "grid" in entry:
+        return get_grid(entry["grid"])
+    if "bits" in entry:
+        return QuantSpec(entry["bits"], entry["group_size"], entry["symmetric"])
+    return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..errors import ConfigError
+from ..models.grids import GRIDS
 from .methods import METHODS, get_method
 from .quant import QuantSpec
 from .sparsity import Sparsity
@@ -23,10 +24,24 @@ AWQ_SEARCH_DTYPES = ("auto", "bfloat16", "float32")
 @dataclass
 class Recipe:
     method: str = "awq"
-    # Quantization; bits=None means "do not quantize" (pruning methods alone).
+    # Quantization; bits=None means "do not quantize" (pruning methods alone). bits, group_size and
+    # symmetric describe the uniform grid (scale and integer zero point per group, min/max scales).
     bits: int | None = 4
     group_size: int = 128
     symmetric: bool = False
+    # A llama.cpp grid instead (models.grids: q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl, iq4_xs, q3_k, q4_k,
+    # q5_k, q6_k): its codes are kept exactly in the GGUF, each block's scale searched by importance
+    # (compress.grid_fit); rows its super-blocks do not divide take llama.cpp's fallback grid. With a
+    # grid, bits/group_size/symmetric are not used (bits=None still means "do not quantize" for pruners
+    # given no grid).
+    grid: str | None = None
+    # Mixed grids to a budget: average bits per weight of the compressed linears as GGUF stores them
+    # (codes, scales, mins), each linear's grid chosen from measured sensitivity (compress.budget).
+    bpw: float | None = None
+    # Whether the grid's scale search weighs each weight by its input channel's mean square over the
+    # calibration tokens. None: the method's own statistics where it has them (GPTQ's Hessian diagonal,
+    # AWQ's and Wanda's activations), data-free for RTN and magnitude; true makes RTN calibrate.
+    importance: bool | None = None
     # Pruning: a ratio (0.5) or N:M (2:4), given as text or a number; parsed once, on construction.
     sparsity: Sparsity | None = None
     # Calibration.
@@ -62,8 +77,19 @@ class Recipe:
         if isinstance(self.skip, (list, tuple)):
             self.skip = tuple(self.skip)
 
+    @property
+    def on_grid(self) -> bool:
+        """Whether the linears go on llama.cpp's grids (one, or a mix to a budget) rather than the uniform one."""
+        return self.grid is not None or self.bpw is not None
+
+    @property
+    def quantizes(self) -> bool:
+        return self.bits is not None or self.on_grid
+
     def quant_spec(self) -> QuantSpec | None:
-        if self.bits is None:
+        """The uniform grid; None when nothing is quantized or the linears go on llama.cpp's grids
+        (resolved per linear: ``Method.spec_for``)."""
+        if self.bits is None or self.on_grid:
             return None
         return QuantSpec(self.bits, self.group_size, self.symmetric)
 
@@ -95,13 +121,14 @@ class Recipe:
             if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
                 raise ConfigError(f"bits must be an integer from 2 to 8, got {self.bits}")
             self.quant_spec()
+        self._validate_grid(info)
         spars = self.sparsity
         if info.kind == "quantize":
             if spars is not None and spars.ratio > 0:
                 pruners = ", ".join(k for k, v in METHODS.items() if v.kind == "prune")
                 raise ConfigError(f"{self.method} quantizes and does not prune; for sparsity use one of: {pruners}")
-            if self.bits is None:
-                raise ConfigError(f"{self.method} needs a bit width (--bits 2..8)")
+            if not self.quantizes:
+                raise ConfigError(f"{self.method} needs a bit width (--bits 2..8) or a grid (--grid)")
         else:
             if spars is None:
                 raise ConfigError(f"{self.method} prunes: give --sparsity (a ratio such as 0.5, or N:M such as 2:4)")
@@ -132,9 +159,41 @@ class Recipe:
             raise ConfigError(f"seed must be a non-negative integer (below 2**64), got {self.seed!r}")
         return self
 
+    def _validate_grid(self, info) -> None:
+        if self.grid is not None:
+            if not isinstance(self.grid, str) or self.grid not in GRIDS:
+                raise ConfigError(f"unknown grid {self.grid!r}; choose one of: {', '.join(GRIDS)}")
+            if self.bpw is not None:
+                raise ConfigError("give a grid or a bits-per-weight budget (bpw), not both: a budget picks each "
+                                  "linear's grid")
+        if self.bpw is not None:
+            lo, hi = min(g.bits_per_weight for g in GRIDS.values()), max(g.bits_per_weight for g in GRIDS.values())
+            if isinstance(self.bpw, bool) or not isinstance(self.bpw, (int, float)) or not lo <= self.bpw <= hi:
+                raise ConfigError(f"bpw must be a number from {lo} to {hi} (bits per weight of llama.cpp's grids), "
+                                  f"got {self.bpw!r}")
+        if self.importance is not None and not isinstance(self.importance, bool):
+            raise ConfigError(f"importance must be true or false, got {self.importance!r}")
+        if self.importance and not self.on_grid:
+            raise ConfigError("importance weighting searches the scales of llama.cpp's grids (--grid or --bpw); "
+                              "the uniform grid (--bits/--group-size) takes min/max scales")
+        if self.on_grid and info.kind == "prune":
+            from ..models.grids import get_grid
+
+            zero = [n for n, g in GRIDS.items() if g.has_zero]
+            if self.grid is not None and not get_grid(self.grid).has_zero:
+                raise ConfigError(f"{self.method} prunes, and pruned weights must stay exactly zero: grid {self.grid} "
+                                  f"has no zero level; choose one of: {', '.join(zero)}")
+            if self.bpw is not None:
+                raise ConfigError(f"{self.method} prunes: a bits-per-weight budget mixes grids without a zero level; "
+                                  f"give a grid with one ({', '.join(zero)})")
+
     def describe(self) -> str:
         parts = [self.method]
-        if self.bits is not None:
+        if self.grid is not None:
+            parts.append(f"grid {self.grid}")
+        elif self.bpw is not None:
+            parts.append(f"{self.bpw:g} bpw mix")
+        elif self.bits is not None:
             parts.append(self.quant_spec().describe())
         if self.sparsity is not None:
             parts.append(f"sparsity {self.sparsity.describe()}")

@@ -170,7 +170,7 @@ def plan_layers(src: ExportSource) -> dict:
     entries = src.artifact.manifest["layers"]
     coded = {n: e for n, e in entries.items() if "bits" in e}
     widths = sorted({e["shape"][1] for e in coded.values()})
-    from ..compress.quant import QuantSpec
+    from ..compress.quant import Grid, entry_spec
 
     plan = {}
     for name, e in entries.items():
@@ -178,7 +178,12 @@ def plan_layers(src: ExportSource) -> dict:
         if "bits" not in e:
             plan[name] = {"kind": "pruned", "sparsity": e.get("sparsity")}
             continue
-        spec = QuantSpec(e["bits"], e["group_size"], e["symmetric"])
+        spec = entry_spec(e)
+        if isinstance(spec, Grid):
+            raise CompressedTensorsExportError(
+                f"{name} is on llama.cpp's {spec.name} grid (GGUF block codes and scales), which compressed-tensors "
+                "cannot hold: export it with --format gguf, or compress on the uniform grid (--bits/--group-size, "
+                "no --grid) for compressed-tensors. Nothing was written")
         why = cannot_hold(spec, e["shape"][1])
         if why is not None:
             raise CompressedTensorsExportError(_refusal(name, spec, why, widths))

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from ..compress.artifact import MANIFEST
-from ..compress.quant import QuantSpec
+from ..compress.quant import QuantSpec, entry_spec
+from ..models.grids import Grid
 from ..errors import OutputExistsError, UnsupportedArchitectureError
 from ..fsutil import sha256_file
 from ..models.architectures import ARCHITECTURES, Architecture, GGUFLayout
@@ -34,8 +35,9 @@ from ..models.gguf_seal import check_gguf, placeholder_manifest, seal_gguf
 from .errors import ExportError, GGUFExportError, GGUFVerificationError
 from .formats import get_format, register_format
 from .gguf_hparams import add_hparams, hparam
+from .gguf_blocks import pack_blocks
 from .gguf_quant import (QTYPES, QType, cannot_place, check_requantized, codes_to_blocks,  # noqa: F401 - re-exported
-                         llamacpp_quantize, permute_rows, unpermute_rows)
+                         grids_qtype, llamacpp_quantize, permute_rows, unpermute_rows)
 from .gguf_vocab import add_tokenizer, model_name, pre_tokenizer_name  # noqa: F401 - re-exported
 from .inspect import MANIFEST_KEY, gguf_model_facts, gguf_rows, inspect_gguf, read_gguf_manifest
 from .source import ExportSource, iter_weights, open_export_source, weight_shapes
@@ -192,6 +194,19 @@ def _build(item: _Planned, w: np.ndarray, src: _Source, report_tensors: dict) ->
     if item.raw is None:
         return w.astype(item.dtype, copy=False)
     res = src.layers[item.layer]
+    if isinstance(item.spec, Grid):  # a llama.cpp grid: its codes and fields in its own block layout
+        codes, fields = res.codes.numpy(), {k: v.numpy() for k, v in res.fields.items()}
+        if item.heads is not None:
+            codes = permute_rows(codes, item.heads)
+            fields = {k: permute_rows(v, item.heads) for k, v in fields.items()}
+        blocks = pack_blocks(item.spec, codes, fields)
+        decoded = gguf.quants.dequantize(blocks, item.raw)
+        if not np.array_equal(decoded.view(np.uint32), np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)):
+            bad = float(np.abs(decoded - w).max())
+            raise GGUFExportError(f"{item.name}'s {item.spec.ggml} blocks do not decode to the artifact's weights bit for "
+                                  f"bit (max difference {bad:.3g}); nothing was written")
+        report_tensors[item.name]["max_abs_diff"] = 0.0
+        return blocks
     codes, scales, zeros = res.codes.numpy(), res.scales.numpy(), res.zeros.numpy()
     if item.heads is not None:
         codes, scales, zeros = (permute_rows(a, item.heads) for a in (codes, scales, zeros))
@@ -204,19 +219,30 @@ def _build(item: _Planned, w: np.ndarray, src: _Source, report_tensors: dict) ->
 # --- the export -------------------------------------------------------------------------------
 
 
-def _grids(layers) -> dict[str, tuple[QuantSpec, int]]:
-    """name -> (grid, input columns) of every linear that holds codes; from the manifest's entries alone
-    (no codes read) where the layers are read lazily (``LazyLayers``)."""
+def _grids(layers) -> dict[str, tuple[QuantSpec | Grid, tuple[int, int]]]:
+    """name -> (grid, (rows, input columns)) of every linear that holds codes; from the manifest's entries
+    alone (no codes read) where the layers are read lazily (``LazyLayers``)."""
     entries = getattr(layers, "entries", None)
     if entries is not None:
-        return {n: (QuantSpec(e["bits"], e["group_size"], e["symmetric"]), int(e["shape"][1]))
-                for n, e in entries.items() if "bits" in e}
-    return {n: (r.spec, r.codes.shape[1]) for n, r in layers.items() if r.codes is not None}
+        return {n: (entry_spec(e), (int(e["shape"][0]), int(e["shape"][1]))) for n, e in entries.items() if "bits" in e}
+    return {n: (r.spec, tuple(r.codes.shape)) for n, r in layers.items() if r.codes is not None}
 
 
-def _auto_qtype(layers) -> str:
-    """The smallest type that holds every layer's codes as they are; else the commonest natural one."""
-    coded = list(_grids(layers).values())
+def _auto_qtype(layers, preferred: str | None = None) -> str | QType:
+    """The smallest type that holds every layer's codes as they are; else the commonest natural one. On
+    llama.cpp's grids: every tensor in its own grid's type (``grids_qtype``; the recipe's grid, when it
+    names one, says which file type llama.cpp gives the tensors left uncoded)."""
+    found = list(_grids(layers).values())
+    if any(isinstance(spec, Grid) for spec, _ in found):
+        coded = [(spec, rows * cols) for spec, (rows, cols) in found if isinstance(spec, Grid)]
+        if preferred is not None:
+            from ..models.grids import GRIDS
+
+            main = GRIDS.get(preferred)
+            if main is not None:
+                return QType(main.name, main.ggml, main.ftype, grid="*")
+        return grids_qtype(coded)
+    coded = [(spec, cols) for spec, (_, cols) in found]
     if not coded:
         return "f16"
     for name in ("q4_0", "q4_1", "q8_0"):
@@ -285,8 +311,9 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         raise OutputExistsError(f"output {out} is the input; choose another output")
     out.parent.mkdir(parents=True, exist_ok=True)
     src = _open_source(source)
-    key = _auto_qtype(src.layers) if key == "auto" else key
-    target = QTYPES[key]
+    recipe = src.artifact.manifest.get("recipe") if src.artifact is not None else None
+    key = _auto_qtype(src.layers, (recipe or {}).get("grid")) if key == "auto" else key
+    target = key if isinstance(key, QType) else QTYPES[key]
     arch_enum = gguf.MODEL_ARCH[src.layout.arch]
     c = src.config
     tied = bool(getattr(c, "tie_word_embeddings", False))
@@ -343,17 +370,18 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         elif spec is not None:
             why = cannot_place(spec, shape[1], target)
             if why is None:
-                item.raw = gguf.GGMLQuantizationType[target.ggml]
+                ggml = spec.ggml if isinstance(spec, Grid) else target.ggml  # a grid's tensor keeps its own type
+                item.raw = gguf.GGMLQuantizationType[ggml]
                 item.layer, item.spec, item.qtype = layer, spec, target
                 item.dtype = np.dtype(np.uint8)
-                info.update(type=target.ggml, codes_kept=True, grid=spec.describe())
+                info.update(type=ggml, codes_kept=True, grid=spec.describe())
             else:
                 if exact:
                     raise GGUFExportError(f"{layer}'s codes ({spec.describe()}) cannot be kept as {target.name}: "
                                           f"{why}; rerun without --exact to let llama.cpp re-quantize it")
                 info.update(type="F32", grid=spec.describe(), requantized_because=why)
                 requant.append(name)
-        elif has_codes and (keep_f16_uncoded or not target.max_bits):
+        elif has_codes and (keep_f16_uncoded or not (target.max_bits or target.grid)):
             # Left unquantized by the recipe (embeddings, lm_head, skipped layers): kept at f16.
             item.dtype = np.dtype(np.float16)
             info["type"] = "F16"
@@ -421,7 +449,8 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
             del data, w
         writer.close()
         if stage is not None:
-            llamacpp_quantize(stage, tmp, target, n_threads)
+            llamacpp_quantize(stage, tmp, target, n_threads,
+                              keep={name: report_tensors[name]["type"] for name in placed})
             check_requantized(tmp, stage, placed, report_tensors)
         seal_gguf(tmp)  # the file's digest and the manifest's, written into the manifest in place
         verification = None

@@ -1,5 +1,9 @@
 """GGUF tensor types: the artifact's integer codes as GGUF blocks, and llama.cpp's quantizer for the rest.
 
+Linears on one of llama.cpp's grids (``models.grids``: Q4_0 ... Q6_K, IQ4_NL, IQ4_XS) are written in
+their grid's own block type, codes and scales as the artifact keeps them (``gguf_blocks``), and decode
+to the artifact's weights bit for bit. For the uniform grid (bits, group size, symmetry):
+
 GGUF blocks hold 32 consecutive values along the input dimension. Where the artifact's grid
 fits a block type (every 32-block inside one group), the codes are placed as they are, so the
 GPTQ/AWQ calibration reaches llama.cpp unchanged (DESIGN.md "numeric contracts"):
@@ -27,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..compress.quant import QuantSpec
+from ..models.grids import GRIDS, Grid, grid_for_width
 from .errors import GGUFExportError
 
 BLOCK = 32  # values per block along the input dimension, for every type written here
@@ -37,33 +42,63 @@ class QType:
     name: str
     ggml: str  # gguf.GGMLQuantizationType member name
     ftype: str  # gguf.LlamaFileType member name
-    max_bits: int = 0  # codes of up to this many bits fit (0: not a code-holding type)
+    max_bits: int = 0  # codes of the uniform grid of up to this many bits fit (0: none do)
     needs_symmetric: bool = False
+    # The llama.cpp grid whose codes it keeps (models.grids; its fallback on rows its blocks do not
+    # divide); "*": every grid, each tensor in its own type (``auto`` on an artifact on llama.cpp's grids).
+    grid: str | None = None
 
 
 QTYPES: dict[str, QType] = {
     "f32": QType("f32", "F32", "ALL_F32"),
     "f16": QType("f16", "F16", "MOSTLY_F16"),
-    "q8_0": QType("q8_0", "Q8_0", "MOSTLY_Q8_0", 8, True),
-    "q4_0": QType("q4_0", "Q4_0", "MOSTLY_Q4_0", 4, True),
-    "q4_1": QType("q4_1", "Q4_1", "MOSTLY_Q4_1", 4, False),
-    # Written only by llama.cpp's quantizer (no artifact grid maps onto them).
-    "q5_0": QType("q5_0", "Q5_0", "MOSTLY_Q5_0"),
-    "q5_1": QType("q5_1", "Q5_1", "MOSTLY_Q5_1"),
-    "q4_k_s": QType("q4_k_s", "Q4_K", "MOSTLY_Q4_K_S"),
-    "q4_k_m": QType("q4_k_m", "Q4_K", "MOSTLY_Q4_K_M"),
-    "q5_k_m": QType("q5_k_m", "Q5_K", "MOSTLY_Q5_K_M"),
-    "q6_k": QType("q6_k", "Q6_K", "MOSTLY_Q6_K"),
-    "q3_k_m": QType("q3_k_m", "Q3_K", "MOSTLY_Q3_K_M"),
-    "q2_k": QType("q2_k", "Q2_K", "MOSTLY_Q2_K"),
+    "q8_0": QType("q8_0", "Q8_0", "MOSTLY_Q8_0", 8, True, grid="q8_0"),
+    "q4_0": QType("q4_0", "Q4_0", "MOSTLY_Q4_0", 4, True, grid="q4_0"),
+    "q4_1": QType("q4_1", "Q4_1", "MOSTLY_Q4_1", 4, False, grid="q4_1"),
+    "q5_0": QType("q5_0", "Q5_0", "MOSTLY_Q5_0", grid="q5_0"),
+    "q5_1": QType("q5_1", "Q5_1", "MOSTLY_Q5_1", grid="q5_1"),
+    "iq4_nl": QType("iq4_nl", "IQ4_NL", "MOSTLY_IQ4_NL", grid="iq4_nl"),
+    "iq4_xs": QType("iq4_xs", "IQ4_XS", "MOSTLY_IQ4_XS", grid="iq4_xs"),
+    "q3_k": QType("q3_k", "Q3_K", "MOSTLY_Q3_K_S", grid="q3_k"),
+    "q4_k": QType("q4_k", "Q4_K", "MOSTLY_Q4_K_S", grid="q4_k"),
+    "q5_k": QType("q5_k", "Q5_K", "MOSTLY_Q5_K_S", grid="q5_k"),
+    "q6_k": QType("q6_k", "Q6_K", "MOSTLY_Q6_K", grid="q6_k"),
+    # llama.cpp's mixtures (types per tensor by its own rules): an artifact's codes on the mixture's
+    # main grid are kept, in that grid's type, wherever llama.cpp's rules would pick another.
+    "q4_k_s": QType("q4_k_s", "Q4_K", "MOSTLY_Q4_K_S", grid="q4_k"),
+    "q4_k_m": QType("q4_k_m", "Q4_K", "MOSTLY_Q4_K_M", grid="q4_k"),
+    "q5_k_m": QType("q5_k_m", "Q5_K", "MOSTLY_Q5_K_M", grid="q5_k"),
+    "q3_k_m": QType("q3_k_m", "Q3_K", "MOSTLY_Q3_K_M", grid="q3_k"),
+    "q2_k": QType("q2_k", "Q2_K", "MOSTLY_Q2_K"),  # written only by llama.cpp's quantizer
 }
+
+
+def grids_qtype(coded: list) -> QType:
+    """``auto`` for an artifact whose linears are on llama.cpp's grids: each coded tensor in its own grid's
+    type; llama.cpp's file type (what its quantizer gives the tensors left uncoded) that of the grid
+    holding the most weights (``coded``: (grid, rows * columns) per linear)."""
+    weights: dict[str, int] = {}
+    for grid, n in coded:
+        weights[grid.name] = weights.get(grid.name, 0) + n
+    main = GRIDS[max(weights, key=weights.get)]
+    return QType(main.name, main.ggml, main.ftype, grid="*")
 
 # --- codes -> blocks --------------------------------------------------------------------------
 
 
-def cannot_place(spec: QuantSpec, columns: int, qtype: QType) -> str | None:
+def cannot_place(spec, columns: int, qtype: QType) -> str | None:
     """Why the codes of a ``spec`` grid over ``columns`` inputs cannot be placed in ``qtype``
     blocks as they are (None: they can)."""
+    if isinstance(spec, Grid):
+        if qtype.grid == "*":
+            return None
+        if qtype.grid is None:
+            return f"{qtype.name} holds no codes of llama.cpp's grids"
+        want = grid_for_width(qtype.grid, columns)
+        if spec.name != want.name:
+            return (f"codes on grid {spec.name} are not {qtype.name}'s "
+                    f"{want.name}{'' if want.name == qtype.grid else f' (its fallback for {columns}-wide rows)'}")
+        return None
     if not qtype.max_bits:
         return f"{qtype.name} holds no integer codes"
     if spec.bits > qtype.max_bits:
@@ -120,7 +155,13 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 # --- llama.cpp's quantizer --------------------------------------------------------------------
 
 
-def llamacpp_quantize(src_path: Path, dst_path: Path, qtype: QType, n_threads: int | None = None) -> None:
+def llamacpp_quantize(src_path: Path, dst_path: Path, qtype: QType, n_threads: int | None = None,
+                      keep: dict[str, str] | None = None) -> None:
+    """llama.cpp's quantizer on the staged file: its tensors in float get the types its own rules give
+    them in a file of ``qtype``; ``keep`` (GGUF name -> ggml type name) are tensors already holding codes,
+    told to stay in their type (a per-tensor override), so they are copied whatever its rules would pick."""
+    import re
+
     from ..models.gguf_check import quiet_native_stderr
     from ..models.source import require_llama_cpp
 
@@ -129,6 +170,17 @@ def llamacpp_quantize(src_path: Path, dst_path: Path, qtype: QType, n_threads: i
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{qtype.ftype}")
     params.nthread = n_threads or max(1, os.cpu_count() or 1)
     params.allow_requantize = False  # tensors already holding codes are copied, never re-quantized
+    overrides = None
+    if keep:
+        import gguf
+
+        overrides = (llama_cpp.llama_model_tensor_override * (len(keep) + 1))()
+        patterns = [f"^{re.escape(name)}$".encode() for name in keep]  # kept alive until the call returns
+        for i, (pattern, ggml) in enumerate(zip(patterns, keep.values())):
+            overrides[i].pattern = pattern
+            overrides[i].type = int(gguf.GGMLQuantizationType[ggml])
+        overrides[len(keep)].pattern = None
+        params.tt_overrides = overrides
     with quiet_native_stderr():
         rc = llama_cpp.llama_model_quantize(str(src_path).encode(), str(dst_path).encode(), params)
     if rc != 0:

@@ -85,7 +85,12 @@ def onnx_architectures() -> list[str]:
 
 
 def cannot_place(spec: QuantSpec, columns: int) -> str | None:
-    """Why a ``spec`` grid over ``columns`` inputs cannot be MatMulNBits blocks (None: it can)."""
+    """Why a ``spec`` grid over ``columns`` inputs cannot be MatMulNBits blocks (None: it can). A llama.cpp
+    grid (``models.grids``) never can: its scales are products of sub-block codes, its levels may be
+    non-uniform or offset by a float min, none of which MatMulNBits' scale and integer zero point hold."""
+    if not isinstance(spec, QuantSpec):
+        return (f"llama.cpp's {spec.name} grid has no MatMulNBits form (its codes are kept in GGUF only); "
+                "its dequantized weights are re-quantized")
     g = spec.group_width(columns)
     if g < 16 or g & (g - 1):
         what = "per-channel group" if spec.group_size == -1 or g == columns else f"group size {spec.group_size}"
@@ -439,7 +444,8 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
     if key in ("int4", "int8") and has_codes:
         bits = 4 if key == "int4" else 8
         coded = [n for n, o in plan.items() if o.coded]
-        too_wide = [n for n in coded if plan[n].spec.bits > bits]
+        # (codes on a llama.cpp grid are re-quantized whatever their width: cannot_place)
+        too_wide = [n for n in coded if isinstance(plan[n].spec, QuantSpec) and plan[n].spec.bits > bits]
         if too_wide:
             raise ONNXExportError(f"{key} cannot hold {plan[too_wide[0]].spec.bits}-bit codes "
                                   f"({too_wide[0]}); use int8")

@@ -30,7 +30,7 @@ class LinearOutline:
     """One compressed linear as the manifest and the quantization file's header describe it, no tensor
     read: its grid (None: pruned only), its (rows, cols) and whether it has a mask."""
 
-    spec: object  # compress.quant.QuantSpec | None
+    spec: object  # compress.quant.QuantSpec | models.grids.Grid | None
     shape: tuple[int, int]
     masked: bool
 
@@ -66,12 +66,11 @@ class LazyLayers(Mapping):
 
     def outlines(self) -> dict[str, LinearOutline]:
         """``LinearOutline`` of every linear, from the manifest and the quantization file's header alone."""
-        from ..compress.quant import QuantSpec
+        from ..compress.quant import entry_spec
         from ..models.artifact_format import safetensors_header
 
         keys = set(safetensors_header(self.artifact.path / QUANT_FILE) or {})
-        return {name: LinearOutline(QuantSpec(e["bits"], e["group_size"], e["symmetric"]) if "bits" in e else None,
-                                    tuple(e["shape"]), f"{name}.mask" in keys)
+        return {name: LinearOutline(entry_spec(e), tuple(e["shape"]), f"{name}.mask" in keys)
                 for name, e in self.entries.items()}
 
     def outline(self, name: str):
@@ -79,11 +78,11 @@ class LazyLayers(Mapping):
         its mask (None: not pruned)."""
         from safetensors import safe_open
 
-        from ..compress.quant import QuantSpec
+        from ..compress.quant import entry_spec
         from ..models.codes import unpack_mask
 
         entry = self.entries[name]
-        spec = QuantSpec(entry["bits"], entry["group_size"], entry["symmetric"]) if "bits" in entry else None
+        spec = entry_spec(entry)
         with safe_open(str(self.artifact.path / QUANT_FILE), framework="pt") as f:
             key = f"{name}.mask"
             mask = unpack_mask(f.get_tensor(key), entry["shape"][1]) if key in set(f.keys()) else None

@@ -22,7 +22,12 @@ QUANT_FILE = "quantization.safetensors"
 WEIGHTS_FILE = "weights.safetensors"
 V1_WEIGHTS_FILE = "model.safetensors"
 FORMAT = "slmedge-artifact"
-FORMAT_VERSION = 2
+# The newest version this slmedge reads. Version 3 is version 2 plus linears on llama.cpp's grids (a
+# layer entry's "grid": its codes, fp16 scales and integer sub-block codes, models.grids): written only
+# when an artifact holds such a linear, so that an slmedge reading versions 1-2 refuses it rather than
+# misreading it; artifacts on the uniform grid alone stay version 2.
+FORMAT_VERSION = 3
+GRID_VERSION = 3
 
 
 def manifest_path(path) -> Path:

@@ -11,6 +11,9 @@ tensor names a version-1 ``model.safetensors`` had, in its (sorted) order:
 - a quantized linear: ``scale * (code - zero)`` per group, the arithmetic the methods used when
   they chose the codes (``models.codes``, which ``compress.quant`` re-exports), so the rebuilt fp32 weight has
   the very bits of the version-1 one (pruned weights are codes equal to the zero point);
+- a linear on a llama.cpp grid (format version 3, ``models.grids``): ``A * T[code] (+ B)`` from its
+  codes, fp16 scales and integer sub-block codes (``<linear>.grid_<field>``), the GGUF block's own
+  arithmetic;
 - a pruned-only linear: zeros, with the kept values placed where the mask is set.
 
 The writer (``compress.artifact``) rebuilds each tensor once before writing and stores the fp32
@@ -27,6 +30,7 @@ from ..errors import ArtifactError
 from .artifact_format import QUANT_FILE, WEIGHTS_FILE, quant_metadata, safetensors_header, weights_metadata
 
 KEPT_SUFFIX = ".kept"  # <tensor name>.kept: a pruned-only linear's kept values, row-major
+GRID_FIELD_PREFIX = "grid_"  # <linear>.grid_<field>: a llama.cpp grid's scales and sub-block codes
 
 
 def weight_names(path) -> list[str]:
@@ -77,6 +81,12 @@ def rebuild_linear(layer: str, entry: dict, qf, wf, tensor_name: str):
     from .codes import dequantize_grouped, group_width, unpack_codes, unpack_mask
 
     rows, cols = entry["shape"]
+    if "grid" in entry:  # a llama.cpp grid: codes, fp16 scales and sub-block codes (models.grids)
+        from .grids import decode, get_grid
+
+        grid = get_grid(entry["grid"])
+        codes = unpack_codes(qf.get_tensor(f"{layer}.qweight"), grid.bits, cols)
+        return decode(grid, codes, {f: qf.get_tensor(f"{layer}.{GRID_FIELD_PREFIX}{f}") for f in grid.fields})
     if "bits" in entry:
         codes = unpack_codes(qf.get_tensor(f"{layer}.qweight"), entry["bits"], cols)
         return dequantize_grouped(codes, qf.get_tensor(f"{layer}.scales"), qf.get_tensor(f"{layer}.zeros"),

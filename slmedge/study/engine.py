@@ -202,13 +202,13 @@ def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) 
         if _made(job["kind"], spec, out):
             return {"output": str(out), "reused": True, "seconds": 0.0,
                     "facts": levels.export_facts(fmt, {**(fmt.read_manifest(out) or {}), "bytes": _bytes(fmt, out)},
-                                                 bool(job["labels"].get("bits")))}
+                                                 _quantized(job["labels"]))}
         from ..export.api import export
 
         source = job["source_path"]
         report = export(source, spec["format"], spec["type"], out, overwrite=True, n_threads=threads)
         return {"output": str(out), "seconds": time.perf_counter() - t0,
-                "facts": levels.export_facts(fmt, report, bool(job["labels"].get("bits")))}
+                "facts": levels.export_facts(fmt, report, _quantized(job["labels"]))}
     from ..evaluate.api import EvalSettings, evaluate
 
     ev = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["settings"].items()}
@@ -501,3 +501,8 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
                             f"jobs are kept, run the study again to retry. Last: "
                             + "; ".join(f"{by_id[i].kind} {i}: {d}" for i, d in errs))
     return counts
+
+
+def _quantized(labels: dict) -> bool:
+    """Whether a row's method quantizes: a bit width, a llama.cpp grid or a bits-per-weight budget."""
+    return bool(labels.get("bits") or labels.get("grid") or labels.get("bpw"))

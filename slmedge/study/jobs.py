@@ -79,6 +79,8 @@ def build_jobs(study: Study, workdir: Path, data_dir=None) -> list[Job]:
                 base_labels = {"model": model, "method": method.label, "method_name": method.method, "bits": bits,
                                "group_size": method.settings.get("group_size", Recipe.group_size) if bits else None,
                                "sparsity": method.settings.get("sparsity"), "seed": seed}
+                # llama.cpp grids and budgets (labels of their own only where set: other rows' labels unchanged)
+                base_labels.update({k: method.settings[k] for k in ("grid", "bpw") if method.settings.get(k) is not None})
                 if method.is_base:
                     source, source_dep = model, []
                 else:

@@ -22,11 +22,11 @@ FAMILIES = ("base", "quantize", "prune", "both")
 
 
 def family(labels: dict) -> str:
-    """The family of a grid row, from its labels (method name, bits, sparsity)."""
+    """The family of a grid row, from its labels (method name, bits or a llama.cpp grid or budget, sparsity)."""
     name = labels.get("method_name")
     if name in (None, "none", "-"):
         return "base"
-    bits, sparsity = labels.get("bits"), labels.get("sparsity")
+    bits, sparsity = labels.get("bits") or labels.get("grid") or labels.get("bpw"), labels.get("sparsity")
     if bits and sparsity:
         return "both"
     if sparsity:

@@ -199,6 +199,7 @@ def deployable_exports(method: "MethodSpec") -> list[ExportSpec]:
     from .levels import family
 
     fam = family({"method_name": method.method, "bits": method.settings.get("bits"),
+                  "grid": method.settings.get("grid"), "bpw": method.settings.get("bpw"),
                   "sparsity": method.settings.get("sparsity")})
     return [ExportSpec(f"{fmt}-{qtype}", fmt, qtype) for fmt, qtype in DEPLOYABLE[fam]]
 
@@ -473,7 +474,11 @@ def _auto_label(method: str, s: dict) -> str:
     from ..compress.sparsity import Sparsity
 
     parts = [method]
-    if s.get("bits"):
+    if s.get("grid"):
+        parts.append(s["grid"] + ("-imp" if s.get("importance") else ""))
+    elif s.get("bpw"):
+        parts.append(f"bpw{s['bpw']:g}")
+    elif s.get("bits"):
         group = s.get("group_size", Recipe.group_size)
         parts.append(f"w{s['bits']}" + (f"g{group}" if group > 0 else "") + ("sym" if s.get("symmetric") else ""))
     if s.get("sparsity"):

@@ -22,7 +22,7 @@ import torch
 
 from ..blocks import run_block
 from ..hooks import linear_inputs, module_calls
-from ..quant import QuantSpec, fake_quantize, quantize_groups
+from ..quant import QuantSpec, fake_quantize, fake_quantize_any, quantize_groups  # noqa: F401 - fake_quantize, quantize_groups re-exported
 from .base import LinearResult, Method, register_method, rtn_result, single_thread
 
 
@@ -92,8 +92,13 @@ def fold_scales(prev: torch.nn.Module, linears: list[torch.nn.Linear], s: torch.
         lin.weight.data.mul_(s.view(1, -1))
 
 
-def clip_search(w: torch.Tensor, x: torch.Tensor, spec: QuantSpec, n_grid: int = 20, max_shrink: float = 0.5) -> torch.Tensor:
+def clip_search(w: torch.Tensor, x: torch.Tensor, spec, n_grid: int = 20, max_shrink: float = 0.5,
+                importance: torch.Tensor | None = None) -> torch.Tensor:
     """Clipping ratio per (row, group) minimising each group's partial output error: (out, G).
+
+    ``spec``: the uniform grid (groups of its group size) or a llama.cpp grid (groups: its sub-blocks,
+    each candidate ratio shrinking the range its scale search starts from; ``importance`` weighs
+    that search, ``compress.grid_fit``).
 
     ``x`` is (tokens, in), a subsample of the layer's inputs. The error of a group's clipped
     weights ``q`` is ``mean_t (x_t . (q - w))^2`` per row, the same quantity as the reference's
@@ -119,7 +124,8 @@ def clip_search(w: torch.Tensor, x: torch.Tensor, spec: QuantSpec, n_grid: int =
         best = torch.ones(count, rows, device=w.device)
         for i in range(int(max_shrink * n_grid)):
             ratio = 1 - i / n_grid
-            q = quantize_groups(wp, spec, clip=ratio)[0]  # codes clamp what lies outside
+            # codes clamp what lies outside; on a llama.cpp grid a quick search ranks the ratios
+            q = fake_quantize_any(wp, spec, clip=ratio, importance=importance, quick=True)
             d = (q - wp).reshape(rows, count, width).transpose(0, 1)  # (G, rows, g)
             err = (torch.bmm(d, gram) * d).sum(dim=2)  # (G, rows)
             better = err < best_err
@@ -146,7 +152,6 @@ class AWQ(Method):
     def compress_block(self, layer, prefix, linears, inputs, layer_index, arch):
         """Search and apply scales and clips for one block; returns ({name: result}, extras)."""
         r = self.recipe
-        spec = self.spec
         mappings = [m for m in arch.awq if all(f"{prefix}.{n}" in linears for n in m.linears)]
         mappings = [m for m in mappings if self._shapes_fit(layer, m)]
         # The search losses use about awq_max_tokens tokens: the first whole samples for
@@ -162,6 +167,9 @@ class AWQ(Method):
         # tokens), and the inspected modules' inputs for the search subset.
         x_sum = {m.linears[0]: None for m in mappings}
         x_count = {m.linears[0]: 0 for m in mappings}
+        # Each linear's input mean squares (the grid's importance), over all tokens.
+        x_sq: dict[str, torch.Tensor] = {}
+        x_sq_count: dict[str, int] = {}
         clip_x: dict[str, list[torch.Tensor]] = {n: [] for n in linears}
         calls: dict[str, list[tuple]] = {m.inspect: [] for m in mappings}
         capacity = sum(-(-h.shape[0] * seqlen // stride) for h in inputs.hidden)
@@ -175,6 +183,10 @@ class AWQ(Method):
                 total = flat.abs().sum(dim=0)
                 x_sum[rel] = total if x_sum[rel] is None else x_sum[rel] + total
                 x_count[rel] += flat.shape[0]
+            if self.on_grid:
+                sq = flat.pow(2).sum(dim=0)
+                x_sq[name] = sq if name not in x_sq else x_sq[name] + sq
+                x_sq_count[name] = x_sq_count.get(name, 0) + flat.shape[0]
             if name in clip_x and taken < max_samples:
                 # Every 8th token is plenty for the clip losses. Copied: a strided view would keep
                 # the whole activation alive (``_own``).
@@ -196,6 +208,8 @@ class AWQ(Method):
                 run_block(layer, hidden, inputs.kwargs(layer_index, hidden))
                 taken += hidden.shape[0]
 
+        specs = {name: self.spec_for(name, mod.in_features) for name, mod in named.items()}
+        importance = {name: x_sq[name] / x_sq_count[name] for name in x_sq} if self.weighs else {}
         extras = {}
         if self.search_dtype is None:
             self.resolve(layer.get_submodule(mappings[0].prev).weight.device if mappings else "cpu")
@@ -204,27 +218,38 @@ class AWQ(Method):
             mods = [layer.get_submodule(n) for n in m.linears]
             prev = layer.get_submodule(m.prev)
             x_mean = x_sum[m.linears[0]] / x_count[m.linears[0]]
+            full_names = [f"{prefix}.{n}" for n in m.linears]
+            grids = [specs[n] for n in full_names]
+            imps = [importance.get(n) for n in full_names]
             with single_thread():  # 20 small forwards and roundings per mapping: see single_thread
-                s = self._search(inspect_mods[m.inspect], calls[m.inspect], mods, x_mean, spec, r.awq_grid, dtype)
+                s = self._search(inspect_mods[m.inspect], calls[m.inspect], mods, x_mean, grids, r.awq_grid, dtype,
+                                 imps)
             fold_scales(prev, mods, s, arch.norm_offset)
             extras[f"{prefix}.{m.prev}.awq_scales"] = s.cpu().float()
-            # The captured inputs of the scaled linears shrink by s too.
-            for n in m.linears:
-                full = f"{prefix}.{n}"
+            # The captured inputs of the scaled linears shrink by s too (their mean squares by s^2).
+            for full in full_names:
                 clip_x[full] = [x / s for x in clip_x[full]]
+                if full in importance:
+                    importance[full] = importance[full] / s.pow(2)
 
         results = {}
         for name, lin in linears.items():
             rel = name[len(prefix) + 1 :]
             w = lin.weight.data.float()
+            spec, imp = specs[name], importance.get(name)
             clip = None
             if r.awq_clip and rel not in arch.awq_skip_clip and clip_x[name]:
                 x = torch.cat(clip_x[name])[:4096]
                 with single_thread():
-                    clip = clip_search(w, x, spec)
-            res = rtn_result(w, spec, clip=clip)
+                    clip = clip_search(w, x, spec, importance=imp)
+            res = rtn_result(w, spec, clip=clip, importance=imp)
             lin.weight.data.copy_(res.weight.to(lin.weight.dtype))
-            results[name] = LinearResult(res.weight.cpu(), spec, res.codes.cpu(), res.scales.cpu(), res.zeros.cpu())
+
+            def cpu(t):
+                return None if t is None else t.cpu()
+
+            results[name] = LinearResult(res.weight.cpu(), spec, res.codes.cpu(), cpu(res.scales), cpu(res.zeros),
+                                         fields=None if res.fields is None else {k: v.cpu() for k, v in res.fields.items()})
         return results, extras
 
     @staticmethod
@@ -235,8 +260,17 @@ class AWQ(Method):
             return prev.out_features == first.in_features
         return True
 
+    @property
+    def on_grid(self) -> bool:
+        return self.recipe.on_grid
+
+    @property
+    def weighs(self) -> bool:
+        """Whether the grid's scale search weighs by the captured activations (llama.cpp grids only)."""
+        return self.recipe.on_grid and self.recipe.importance is not False
+
     @torch.no_grad()
-    def _search(self, module, calls, linears, x_mean, spec, n_grid, dtype=torch.float32) -> torch.Tensor:
+    def _search(self, module, calls, linears, x_mean, spec, n_grid, dtype=torch.float32, importance=None) -> torch.Tensor:
         """The grid point whose quantized linears keep ``module``'s output closest to its own.
 
         In a half ``dtype`` the whole grid is ranked there. fp32 then takes the loss of the best
@@ -246,19 +280,22 @@ class AWQ(Method):
         SmolLM2's mappings at W4 g64 and g32), at about a quarter of its fp32 forwards.
         """
         points = list(range(n_grid))
-        losses, scales = grid_losses(module, calls, linears, x_mean, spec, n_grid, dtype, points)
+        losses, scales = grid_losses(module, calls, linears, x_mean, spec, n_grid, dtype, points,
+                                      importance=importance)
         if dtype != torch.float32:
             low = _best(losses)
             if low is None:  # nothing finite in half precision: the whole grid in fp32
-                losses, scales = grid_losses(module, calls, linears, x_mean, spec, n_grid, torch.float32, points)
+                losses, scales = grid_losses(module, calls, linears, x_mean, spec, n_grid, torch.float32, points,
+                                              importance=importance)
             else:
                 reference = module_outputs(module, calls, torch.float32)
-                exact = grid_losses(module, calls, linears, x_mean, spec, n_grid, torch.float32, [low], reference)[0][0]
+                exact = grid_losses(module, calls, linears, x_mean, spec, n_grid, torch.float32, [low], reference,
+                                    importance=importance)[0][0]
                 off = abs(losses[low] - exact) / exact if exact > 0 else (0.0 if losses[low] == exact else float("inf"))
                 bound = losses[low] * (1 + max(REFINE_MARGIN, REFINE_NOISE * off))
                 near = [i for i in points if i != low and losses[i] <= bound]
                 found = dict(zip(near, zip(*grid_losses(module, calls, linears, x_mean, spec, n_grid, torch.float32,
-                                                        near, reference)))) if near else {}
+                                                        near, reference, importance=importance)))) if near else {}
                 found[low] = (exact, scales[low])
                 points = sorted(found)
                 losses, scales = [found[i][0] for i in points], [found[i][1] for i in points]
@@ -297,7 +334,7 @@ def module_outputs(module, calls, dtype=torch.float32) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def grid_losses(module, calls, linears, x_mean, spec, n_grid, dtype=torch.float32, points=None,
-                reference=None) -> tuple[list[float], list[torch.Tensor]]:
+                reference=None, importance=None) -> tuple[list[float], list[torch.Tensor]]:
     """For each grid point ``i`` of ``points`` (default: all ``n_grid``), ``a = i / n_grid``: the
     summed squared difference of ``module``'s outputs on ``calls`` with ``linears`` scaled by
     ``s = awq_scales(x_mean, w_mean, a)`` and quantized, from its outputs with the original
@@ -307,10 +344,16 @@ def grid_losses(module, calls, linears, x_mean, spec, n_grid, dtype=torch.float3
     the reference's and the grid's alike (``LinearsIn``); the scales and the quantization are fp32
     whatever it is. ``reference``: the original outputs, already computed in ``dtype``
     (``module_outputs``). The weights are restored on return.
+
+    ``spec``: one grid for every linear, or a list of one per linear (a budget may give them
+    different ones); ``importance``: None or a list of each linear's input mean squares (a llama.cpp
+    grid's scale search weighs by them, divided by s^2 as the scaled linear's inputs are x / s).
     """
     points = range(n_grid) if points is None else points
+    specs = list(spec) if isinstance(spec, (list, tuple)) else [spec] * len(linears)
+    imps = list(importance) if importance is not None else [None] * len(linears)
     originals = [lin.weight.data.clone() for lin in linears]
-    w_mean = weight_mean(originals, spec)
+    w_mean = weight_mean(originals, specs[0])
     losses, scales = [], []
     with LinearsIn(module, dtype) as run:
         try:
@@ -318,8 +361,11 @@ def grid_losses(module, calls, linears, x_mean, spec, n_grid, dtype=torch.float3
                 reference = [_first(module(*a, **k)) for a, k in calls]
             for i in points:
                 s = awq_scales(x_mean, w_mean, i / n_grid)
-                for lin, w in zip(linears, originals):
-                    run.set_weight(lin, fake_quantize(w * s.view(1, -1), spec) / s.view(1, -1))
+                for lin, w, sp, imp in zip(linears, originals, specs, imps):
+                    scaled_imp = None if imp is None else imp / s.pow(2)
+                    # (on a llama.cpp grid a quick scale search ranks the points: the kept codes get a full one)
+                    run.set_weight(lin, fake_quantize_any(w * s.view(1, -1), sp, importance=scaled_imp, quick=True)
+                                   / s.view(1, -1))
                 losses.append(sum(float((_first(module(*a, **k)) - ref).float().pow(2).sum()) for (a, k), ref in zip(calls, reference)))
                 scales.append(s)
         finally:

@@ -10,7 +10,8 @@ from typing import Callable, Iterator
 import torch
 
 from ...errors import ConfigError
-from ..quant import QuantSpec, quantize_groups
+from ...models.grids import Grid, grid_for_width
+from ..quant import QuantSpec, quantize_any
 
 
 @dataclass
@@ -18,22 +19,29 @@ class LinearResult:
     """The compressed form of one linear layer.
 
     ``weight`` is the final dense weight (dequantized codes, pruned zeros), exactly what the
-    artifact's HF weights hold. ``codes``/``scales``/``zeros`` are set for quantized layers
-    (codes uint8 (out, in), scales fp16 (out, G), zeros uint8 (out, G)); ``perm`` is the column
-    order GPTQ's act-order used; ``mask`` (bool (out, in), True = kept) for pruned layers.
+    artifact's HF weights hold. ``codes`` are set for quantized layers (uint8 (out, in)): on the
+    uniform grid (``spec`` a QuantSpec) with ``scales``/``zeros`` (fp16 / uint8 (out, G)), on one of
+    llama.cpp's (``spec`` a models.grids.Grid) with ``fields`` (its fp16 scales and integer sub-block
+    codes, ``Grid.fields``); ``perm`` is the column order GPTQ's act-order used; ``mask`` (bool
+    (out, in), True = kept) for pruned layers.
     """
 
     weight: torch.Tensor
-    spec: QuantSpec | None = None
+    spec: QuantSpec | Grid | None = None
     codes: torch.Tensor | None = None
     scales: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
     perm: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    fields: dict | None = None
 
 
 class HessianStats:
     """GPTQ/SparseGPT's H = 2/n sum x x^T over calibration tokens, kept as a running mean."""
+
+    def importance(self) -> torch.Tensor:
+        """Each input channel's mean square over the tokens (diag H / 2): an importance matrix's row."""
+        return torch.diagonal(self.H) / 2
 
     def __init__(self, columns: int, device):
         self.H = torch.zeros(columns, columns, device=device, dtype=torch.float32)
@@ -88,7 +96,11 @@ def add_gram(H: torch.Tensor, blocks: list[torch.Tensor]) -> None:
 
 
 class InputNormStats:
-    """Wanda's squared L2 norm of each input feature over calibration tokens, averaged."""
+    """Wanda's squared L2 norm of each input feature over calibration tokens, averaged: each input
+    channel's mean square, what an importance matrix holds (RTN's importance-weighted rounding)."""
+
+    def importance(self) -> torch.Tensor:
+        return self.scaler_row
 
     def __init__(self, columns: int, device):
         self.scaler_row = torch.zeros(columns, device=device, dtype=torch.float32)
@@ -155,13 +167,35 @@ class Method:
 
     def __init__(self, recipe):
         self.recipe = recipe
-        self.spec = recipe.quant_spec()
+        self.spec = recipe.quant_spec()  # the uniform grid (None on llama.cpp's grids: spec_for)
+        self.quantizes = recipe.quantizes
         self.sparsity = recipe.sparsity  # a Sparsity, parsed when the recipe was made, or None
+        # A bits-per-weight budget's grid per linear (compress.budget), set before the first block.
+        self.assigned: dict[str, Grid] = {}
+
+    def spec_for(self, name: str, columns: int):
+        """The grid linear ``name`` (``columns`` inputs wide) is quantized on: its budget's, the recipe's
+        llama.cpp grid (or llama.cpp's fallback for this width), or the uniform grid."""
+        if name in self.assigned:
+            return self.assigned[name]
+        if self.recipe.grid is not None:
+            return grid_for_width(self.recipe.grid, columns)
+        if self.recipe.bpw is not None:
+            raise RuntimeError(f"no grid was assigned to {name} (the budget's allocation runs before the first block)")
+        return self.spec
+
+    def weighs_by(self, stats) -> torch.Tensor | None:
+        """The input channels' mean squares the grid's scale search weighs by: from ``stats`` unless the
+        recipe turned importance off."""
+        if stats is None or self.recipe.importance is False:
+            return None
+        return stats.importance()
 
     @property
     def needs_calibration(self) -> bool:
-        """Whether the method reads calibration data: a block-level method always does."""
-        return self.block_level or self.stats_class is not None
+        """Whether the method reads calibration data: a block-level method always does, and any method
+        given a bits-per-weight budget (its grids are chosen from measured sensitivity)."""
+        return self.block_level or self.stats_class is not None or self.recipe.bpw is not None
 
     def resolve(self, device: torch.device) -> dict:
         """Fix, before the first block, what the recipe leaves to the device (an "auto" setting);
@@ -182,13 +216,15 @@ class Method:
         raise NotImplementedError(f"{self.name} is not a block-level method")
 
 
-def rtn_result(weight: torch.Tensor, spec: QuantSpec, mask: torch.Tensor | None = None, clip=None,
-               overwrite: bool = False) -> LinearResult:
-    """Round-to-nearest of ``weight``; pruned zeros stay exactly zero (zero is on the grid).
-    ``overwrite``: ``weight`` may be rounded in its own storage (``quantize_groups``)."""
+def rtn_result(weight: torch.Tensor, spec, mask: torch.Tensor | None = None, clip=None,
+               overwrite: bool = False, importance: torch.Tensor | None = None) -> LinearResult:
+    """Round-to-nearest of ``weight`` on ``spec`` (the uniform grid or a llama.cpp one, whose scales are
+    searched weighing each column by ``importance``); pruned zeros stay exactly zero (zero is on the
+    grid). ``overwrite``: ``weight`` may be rounded in its own storage (``quantize_groups``)."""
     with single_thread():  # elementwise work on one weight: see single_thread
-        deq, codes, scales, zeros = quantize_groups(weight, spec, clip=clip, overwrite=overwrite)
-    return LinearResult(deq, spec, codes, scales, zeros, mask=mask)
+        deq, codes, scales, zeros, fields = quantize_any(weight, spec, clip=clip, importance=importance,
+                                                          overwrite=overwrite)
+    return LinearResult(deq, spec, codes, scales, zeros, mask=mask, fields=fields)
 
 
 @dataclass(frozen=True)

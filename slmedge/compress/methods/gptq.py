@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from ...models.grids import Grid, effective, levels_tensor
 from .. import lapack
+from ..grid_fit import fit, table_midpoints
 from ..quant import QuantSpec, find_params, group_params
 from .base import HessianStats, LinearResult, Method, register_method, single_thread
 
@@ -165,20 +167,114 @@ def gptq_quantize(
     return Q.contiguous(), codes.to(torch.uint8).contiguous(), scales.half(), zeros.to(torch.uint8), perm
 
 
+class GridColumns:
+    """Rounding one input column at a time onto a llama.cpp grid whose scales were fixed before the
+    column loop (GPTQ's and SparseGPT's, on ``models.grids``): the code of the level nearest each
+    updated weight, and its value ``A * T[code] (+ B)``, the very products ``grids.decode`` computes.
+
+    ``order``: the input columns in visiting order (act-order's permutation, or 0..cols-1); every
+    per-column tensor is laid out in that order, one contiguous row per column, like GPTQ's ``WT``."""
+
+    def __init__(self, grid: Grid, fields: dict, rows: int, columns: int, order: torch.Tensor):
+        A, B = effective(grid, fields, rows, columns)  # (rows, n_sub)
+        sub = torch.div(order, grid.sub, rounding_mode="floor")
+        self.AT = A.t()[sub].contiguous()  # (columns, rows): each visited column's scales
+        self.dead = self.AT == 0  # every code decodes alike there: the one nearest zero is kept
+        self.safe = torch.where(self.dead, torch.ones_like(self.AT), self.AT)
+        self.BT = B.t()[sub].contiguous() if B is not None else None
+        self.uniform = grid.uniform
+        self.lo, self.top = float(grid.levels[0]), float(len(grid.levels) - 1)
+        self.T = levels_tensor(grid, A.device)
+        self.mids = table_midpoints(grid, A.device)
+        self.zero_code = float(self.T.abs().argmin())
+
+    def step(self, j: int, w: torch.Tensor, code: torch.Tensor, dq: torch.Tensor) -> None:
+        """Column ``j`` (visiting order) of weights ``w`` (rows,) -> its codes (as float) and dequantized values."""
+        if self.BT is not None:
+            torch.sub(w, self.BT[j], out=code).div_(self.safe[j])
+        else:
+            torch.div(w, self.safe[j], out=code)
+        if self.uniform:
+            code.round_().sub_(self.lo).clamp_(0, self.top)
+        else:
+            code.copy_(torch.bucketize(code, self.mids))
+        code.masked_fill_(self.dead[j], self.zero_code)
+        if self.uniform:
+            torch.add(code, self.lo, out=dq)
+        else:
+            torch.index_select(self.T, 0, code.long(), out=dq)
+        dq.mul_(self.AT[j])
+        if self.BT is not None:
+            dq.add_(self.BT[j])
+
+
+def gptq_quantize_grid(W: torch.Tensor, H: torch.Tensor, grid: Grid, importance: torch.Tensor | None,
+                       blocksize: int = 128, percdamp: float = 0.01, actorder: bool = False, stats=None,
+                       own: bool = False):
+    """GPTQ onto a llama.cpp grid. Returns (Q, codes, fields, perm).
+
+    The scales are fixed first, from the weights before any update and ``importance`` (the grid's
+    importance-weighted search, ``grid_fit.fit``: static groups, whatever the column order); the
+    column loop then chooses each code and propagates its error with H^-1 as ``gptq_quantize`` does.
+    """
+    W = W if own and W.dtype == torch.float32 else W.clone().float()
+    rows, columns = W.shape
+    with single_thread():
+        fields = fit(grid, W, importance).fields
+    perm, Hinv, dead = hessian_plan(H, percdamp, actorder, stats)
+    if perm is not None:
+        W = W[:, perm]
+    W[:, dead] = 0
+    order = perm if perm is not None else torch.arange(columns, device=W.device)
+    with single_thread():
+        cols = GridColumns(grid, fields, rows, columns, order)
+        WT = W.t().contiguous()  # (in, out), as in gptq_quantize
+        device = W.device
+        del W
+        QT = torch.empty_like(WT)
+        CT = torch.empty_like(WT)
+        for i1 in range(0, columns, blocksize):
+            i2 = min(i1 + blocksize, columns)
+            count = i2 - i1
+            W1 = WT[i1:i2]
+            Err1 = torch.empty(count, rows, device=device)
+            Hinv1 = Hinv[i1:i2, i1:i2]
+            for i in range(count):
+                j = i1 + i
+                w = W1[i]
+                cols.step(j, w, CT[j], QT[j])
+                err = Err1[i]
+                torch.sub(w, QT[j], out=err).div_(Hinv1[i, i])
+                if i + 1 < count:
+                    W1[i + 1 :].sub_(torch.outer(Hinv1[i, i + 1 :], err))
+            if i2 < columns:
+                WT[i2:].sub_(Err1.t().matmul(Hinv[i1:i2, i2:]).t())
+    Q, codes = QT.t(), CT.t()
+    if perm is not None:
+        invperm = torch.argsort(perm)
+        Q, codes = Q[:, invperm], codes[:, invperm]
+    return Q.contiguous(), codes.to(torch.uint8).contiguous(), fields, perm
+
+
 @register_method("gptq")
 class GPTQ(Method):
     kind = "quantize"
     stats_class = HessianStats
     summary = "GPTQ: second-order error compensation column by column"
 
-    def _quantize(self, weight, stats, own=False):
+    def _quantize(self, weight, stats, spec, own=False) -> LinearResult:
         r = self.recipe
-        return gptq_quantize(weight, stats.H, self.spec, blocksize=r.block_size, percdamp=r.damp,
-                             actorder=r.act_order, stats=stats, own=own)
+        if isinstance(spec, Grid):
+            Q, codes, fields, perm = gptq_quantize_grid(weight, stats.H, spec, self.weighs_by(stats),
+                                                        blocksize=r.block_size, percdamp=r.damp, actorder=r.act_order,
+                                                        stats=stats, own=own)
+            return LinearResult(Q, spec, codes, perm=perm, fields=fields)
+        Q, codes, scales, zeros, perm = gptq_quantize(weight, stats.H, spec, blocksize=r.block_size, percdamp=r.damp,
+                                                      actorder=r.act_order, stats=stats, own=own)
+        return LinearResult(Q, spec, codes, scales, zeros, perm=perm)
 
     def compress(self, name, weight, stats):
-        Q, codes, scales, zeros, perm = self._quantize(weight, stats)
-        return LinearResult(Q, self.spec, codes, scales, zeros, perm=perm)
+        return self._quantize(weight, stats, self.spec_for(name, weight.shape[1]))
 
     def compress_shared(self, weights, stats):
         """The linears fed one input (q/k/v, gate/up) in one column loop, their rows stacked.
@@ -188,14 +284,19 @@ class GPTQ(Method):
         alone (the same bits; tests/test_methods.py checks it), with one pass over the columns
         instead of one per linear: the loop's cost is the dispatch of ~10 small operations per
         column, whatever the number of rows."""
-        if len(weights) == 1:
+        specs = {name: self.spec_for(name, w.shape[1]) for name, w in weights.items()}
+        if len(weights) == 1 or len(set(specs.values())) > 1:  # a budget may give them different grids
             return super().compress_shared(weights, stats)
         names = list(weights)
         rows = [weights[name].shape[0] for name in names]
-        Q, codes, scales, zeros, perm = self._quantize(torch.cat([weights[name].float() for name in names]), stats,
-                                                       own=True)
+        res = self._quantize(torch.cat([weights[name].float() for name in names]), stats, specs[names[0]], own=True)
         out = {}
-        for name, q, c, s, z in zip(names, Q.split(rows), codes.split(rows), scales.split(rows), zeros.split(rows)):
+        for i, name in enumerate(names):
             # Each linear's tensors in storage of their own, as when quantized alone.
-            out[name] = LinearResult(q.clone(), self.spec, c.clone(), s.clone(), z.clone(), perm=perm)
+            def part(t):
+                return None if t is None else t.split(rows)[i].clone()
+
+            out[name] = LinearResult(part(res.weight), res.spec, part(res.codes), part(res.scales), part(res.zeros),
+                                     perm=res.perm, fields=None if res.fields is None else
+                                     {k: part(v) for k, v in res.fields.items()})
         return out

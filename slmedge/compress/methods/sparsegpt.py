@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from ...models.grids import Grid
+from ..grid_fit import fit
 from ..quant import QuantSpec, find_params
 from .base import HessianStats, LinearResult, Method, register_method, single_thread
-from .gptq import hessian_plan, prepare_hinv  # noqa: F401 - prepare_hinv re-exported
+from .gptq import GridColumns, hessian_plan, prepare_hinv  # noqa: F401 - prepare_hinv re-exported
 from .pruning import smallest_k
 
 
@@ -20,12 +22,18 @@ def sparsegpt_prune(
     W: torch.Tensor,
     H: torch.Tensor,
     sparsity,
-    spec: QuantSpec | None = None,
+    spec: QuantSpec | Grid | None = None,
     blocksize: int = 128,
     percdamp: float = 0.01,
     stats=None,
+    importance: torch.Tensor | None = None,
 ):
     """Returns (W_pruned, keep_mask, codes, scales, zeros); the last three None without ``spec``.
+
+    On a llama.cpp grid (``spec`` a Grid with a zero level) the scales are fitted first, on the
+    weights before pruning, weighing by ``importance`` (``grid_fit.fit``); each column's kept weights
+    are then rounded onto them in the loop (``GridColumns``), and ``scales`` is the grid's fields
+    (``zeros`` None).
 
     ``stats`` (optional): the HessianStats holding H, where the Cholesky factor is cached.
     Worked on transposed like GPTQ (see gptq.py), on one thread. Each block's mask holds the
@@ -42,6 +50,12 @@ def sparsegpt_prune(
     if prunem and blocksize % prunem:
         blocksize = max(prunem, blocksize - blocksize % prunem)
 
+    grid = spec if isinstance(spec, Grid) else None
+    fields = None
+    if grid is not None:
+        with single_thread():
+            fields = fit(grid, W, importance).fields
+        spec = None  # the uniform grid's per-group parameters are not used
     g = spec.group_width(columns) if spec else columns
     n_groups = spec.num_groups(columns) if spec else 0
     scales = torch.zeros(rows, n_groups, device=W.device)
@@ -51,7 +65,8 @@ def sparsegpt_prune(
     with single_thread():
         WT = W.t().contiguous()  # (in, out): input column j is the contiguous row WT[j]
         QT = torch.empty_like(WT)
-        CT = torch.empty_like(WT) if spec else None  # codes, as float until the end
+        CT = torch.empty_like(WT) if spec or grid else None  # codes, as float until the end
+        on_grid = GridColumns(grid, fields, rows, columns, torch.arange(columns, device=W.device)) if grid else None
         s = z = None
         zero = torch.zeros((), dtype=W.dtype, device=W.device)
         for i1 in range(0, columns, blocksize):
@@ -90,6 +105,9 @@ def sparsegpt_prune(
                     torch.div(q, s, out=code)  # quantize: clamp(round(q / s) + z, 0, maxq)
                     code.round_().add_(z).clamp_(0, spec.maxq)
                     torch.sub(code, z, out=q).mul_(s)  # dequantize: s * (code - z); pruned: code == z -> 0
+                elif on_grid is not None:
+                    # a pruned weight is 0, whose nearest level is the grid's zero: it stays (+/-) 0
+                    on_grid.step(i1 + i, q, CT[i1 + i], q)  # reads q before writing it
                 err = Err1[i]
                 torch.sub(w, q, out=err).div_(Hinv1[i, i])
                 if i + 1 < count:
@@ -99,6 +117,8 @@ def sparsegpt_prune(
 
     W = QT.t().contiguous()
     keep = ~prunedT.t().contiguous()
+    if grid is not None:
+        return W, keep, CT.t().to(torch.uint8).contiguous(), fields, None
     if spec is None:
         return W, keep, None, None, None
     return W, keep, CT.t().to(torch.uint8).contiguous(), scales.half(), zeros.to(torch.uint8)
@@ -112,7 +132,10 @@ class SparseGPT(Method):
 
     def compress(self, name, weight, stats):
         r = self.recipe
+        spec = self.spec_for(name, weight.shape[1]) if self.quantizes else None
         Wp, mask, codes, scales, zeros = sparsegpt_prune(
-            weight, stats.H, self.sparsity, self.spec, blocksize=r.block_size, percdamp=r.damp, stats=stats
-        )
-        return LinearResult(Wp, self.spec, codes, scales, zeros, mask=mask)
+            weight, stats.H, self.sparsity, spec, blocksize=r.block_size, percdamp=r.damp, stats=stats,
+            importance=self.weighs_by(stats) if isinstance(spec, Grid) else None)
+        if isinstance(spec, Grid):
+            return LinearResult(Wp, spec, codes, mask=mask, fields=scales)
+        return LinearResult(Wp, spec, codes, scales, zeros, mask=mask)

@@ -20,12 +20,12 @@ class Wanda(Method):
 
     def compress(self, name, weight, stats):
         with single_thread():  # a few elementwise passes and a top-k per weight: see single_thread
-            return self._compress(weight, stats)
+            return self._compress(name, weight, stats)
 
-    def _compress(self, weight, stats):
+    def _compress(self, name, weight, stats):
         score = weight.abs() * torch.sqrt(stats.scaler_row.reshape(1, -1))
         mask = prune_by_score(score, self.sparsity, group="row")
         pruned = weight.masked_fill(~mask, 0.0)  # +0.0 where pruned (weight * mask gives -0.0 for negatives)
-        if self.spec is not None:
-            return rtn_result(pruned, self.spec, mask=mask)
+        if self.quantizes:
+            return rtn_result(pruned, self.spec_for(name, weight.shape[1]), mask=mask, importance=self.weighs_by(stats))
         return LinearResult(pruned, mask=mask)

@@ -1,0 +1,123 @@
+"""Mixed grids to a size budget: each linear's llama.cpp grid chosen from measured sensitivity.
+
+``Recipe.bpw`` asks for an average number of bits per weight over the compressed linears, as GGUF
+stores them (codes, scales, mins and sub-block codes: ``Grid.bits_per_weight``; a linear's rows
+that a grid's super-blocks do not divide count at llama.cpp's fallback grid). Before the first
+block is compressed, one pass over the calibration data measures, for every linear and every grid
+it can take, how much of its output the grid's rounding loses: the importance-weighted error of
+the grid's fit (``grid_fit.fit``, weighing by the input channels' mean squares) relative to the
+importance-weighted energy of the weight, ``sum_j imp_j |W_j - Q_j|^2 / sum_j imp_j |W_j|^2``: the
+noise-to-signal ratio of the layer's output under independent inputs. The choice of one grid per
+linear that minimises the sum of these ratios with the total within [1 - tolerance, 1] of the
+budget is then dynamic programming over the linears (sizes in steps of 1/100,000 of the budget;
+the true total of the chosen end state is checked). Measured on a subset of rows (every k-th, at most ``SENSITIVITY_ROWS``), which the ratio
+does not depend on in expectation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from ..models.grids import GRIDS, Grid, grid_for_width
+from .grid_fit import fit
+
+TOLERANCE = 0.01  # the allocation lands within 1% below the budget
+UNITS = 100_000  # the budget's resolution in the allocation
+SENSITIVITY_ROWS = 256  # rows of each weight its sensitivity is measured on
+
+
+def candidates(columns: int) -> list[Grid]:
+    """The grids a linear ``columns`` wide can be written in (each grid or llama.cpp's fallback for the
+    width), by size."""
+    found = {}
+    for name in GRIDS:
+        grid = grid_for_width(name, columns)
+        found[grid.name] = grid
+    return sorted(found.values(), key=lambda g: (g.bits_per_weight, g.name))
+
+
+def linear_bits(rows: int, columns: int, grid: Grid) -> int:
+    return rows * columns * grid.type_size * 8 // grid.block
+
+
+def check_budget(shapes: dict[str, tuple[int, int]], bpw: float) -> None:
+    """Refuse (ConfigError) a budget no choice of grids reaches within the tolerance, before any work."""
+    total = sum(r * c for r, c in shapes.values())
+    lo = sum(linear_bits(r, c, candidates(c)[0]) for r, c in shapes.values())
+    hi = sum(linear_bits(r, c, candidates(c)[-1]) for r, c in shapes.values())
+    if bpw * total < lo:
+        raise ConfigError(f"bpw {bpw:g} is below what llama.cpp's grids can reach on these linears: at least "
+                          f"{lo / total:.4f} (every linear on its smallest grid)")
+    if bpw * total * (1 - TOLERANCE) > hi:
+        raise ConfigError(f"bpw {bpw:g} is above what llama.cpp's grids can use on these linears: at most "
+                          f"{hi / total:.4f} (every linear on its largest grid)")
+    zero = {name: {g.name: 0.0 for g in candidates(c)} for name, (r, c) in shapes.items()}
+    if allocate(shapes, zero, bpw) is None:
+        raise ConfigError(f"no choice of llama.cpp's grids for these linears lands within {TOLERANCE:.0%} below "
+                          f"bpw {bpw:g}; try another budget")
+
+
+@torch.no_grad()
+def sensitivity(weight: torch.Tensor, importance: torch.Tensor | None, grids: list[Grid], weighted_fit: bool = True,
+                max_rows: int = SENSITIVITY_ROWS) -> dict[str, float]:
+    """Grid name -> noise-to-signal ratio of the layer's output when ``weight`` (rows, cols) is fitted on
+    it: ``sum imp (W - Q)^2 / sum imp W^2`` over a subset of rows (``importance`` None: plain squares)."""
+    w = weight.float()
+    if w.shape[0] > max_rows:
+        w = w[torch.linspace(0, w.shape[0] - 1, max_rows).round().long()]
+    imp = torch.ones(w.shape[1]) if importance is None else importance.float().cpu()
+    w = w.cpu()
+    signal = float((w * w * imp).sum())
+    out = {}
+    for grid in grids:
+        q = fit(grid, w, imp if (weighted_fit and importance is not None) else None).weight
+        err = float(((w - q) ** 2 * imp).sum())
+        out[grid.name] = err / signal if signal > 0 else 0.0
+    return out
+
+
+def allocate(shapes: dict[str, tuple[int, int]], errors: dict[str, dict[str, float]], bpw: float) -> dict[str, str] | None:
+    """The grid per linear minimising the summed ``errors`` with the total bits within [1 - TOLERANCE, 1] of
+    ``bpw`` times the weights (None when no choice is). Exact dynamic programming over the linears with
+    the budget in ``UNITS`` steps (each linear's bits rounded to the nearest step); the end states are then
+    taken from the least error up until one whose true total is in the window."""
+    names = list(shapes)
+    total = sum(r * c for r, c in shapes.values())
+    budget = bpw * total
+    unit = budget / UNITS
+    size = UNITS + len(names) + 1  # rounding moves a total by under half a step per linear
+    options = []
+    for name in names:
+        rows, cols = shapes[name]
+        opts = [(g.name, linear_bits(rows, cols, g), float(errors[name][g.name])) for g in candidates(cols)
+                if g.name in errors[name]]
+        options.append([(g, bits, err, round(bits / unit)) for g, bits, err in opts])
+    best = np.full(size, np.inf)
+    best[0] = 0.0
+    choices = np.full((len(names), size), -1, dtype=np.int8)
+    for i, opts in enumerate(options):
+        new = np.full(size, np.inf)
+        for k, (_, _, err, cost) in enumerate(opts):
+            if cost >= size:
+                continue
+            cand = best[: size - cost] + err
+            better = cand < new[cost:]
+            new[cost:][better] = cand[better]
+            choices[i, cost:][better] = k
+        best = new
+    low = max(0, math.floor((1 - TOLERANCE) * UNITS) - len(names))
+    ends = [c for c in np.argsort(best[low:], kind="stable") + low if np.isfinite(best[c])]
+    for c in ends:
+        picked, state = {}, int(c)
+        for i in range(len(names) - 1, -1, -1):
+            g, _, _, cost = options[i][int(choices[i, state])]
+            picked[names[i]] = g
+            state -= cost
+        used = sum(linear_bits(*shapes[n], GRIDS[picked[n]]) for n in names)
+        if (1 - TOLERANCE) * budget <= used <= budget:
+            return {n: picked[n] for n in names}
+    return None

@@ -1,0 +1,435 @@
+"""llama.cpp's grids (issue 40): codes kept bit for bit in GGUF, scales chosen by importance, llama.cpp's
+fallback for rows its super-blocks do not divide, and mixed grids to a bits-per-weight budget.
+
+llama.cpp itself is the reference wherever it can be: its own block decoder (ggml's ``to_float``), its
+quantizer (``ggml_quantize_chunk`` with an importance matrix, ``llama_model_quantize``), and its logits
+on the written files (the export's verification)."""
+
+import ctypes
+import json
+import os
+import warnings
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import one_line_error, require_import, small_recipe
+from slmedge.cli import app
+from slmedge.compress.api import compress
+from slmedge.compress.artifact import Artifact
+from slmedge.compress.budget import TOLERANCE, allocate, candidates, linear_bits
+from slmedge.compress.grid_fit import element_weights, fit, weighted_error
+from slmedge.compress.methods.gptq import gptq_quantize_grid
+from slmedge.compress.quant import QuantSpec, quantize_groups
+from slmedge.compress.recipe import Recipe
+from slmedge.errors import ArtifactError, ConfigError
+from slmedge.export import gguf as gx
+from slmedge.export.gguf import export_gguf
+from slmedge.export.gguf_blocks import PACKERS, pack_blocks
+from slmedge.export.gguf_quant import unpermute_rows
+from slmedge.models.grids import GRIDS, KVALUES_IQ4NL, Grid, decode, grid_for_width, register_grid
+from slmedge.registry import Registry
+
+runner = CliRunner()
+SUPER = [n for n, g in GRIDS.items() if g.fallback]  # the 256-wide types, which fall back on narrower rows
+LLAMACPP_FTYPES = {"q3_k": "MOSTLY_Q3_K_S", "q4_k": "MOSTLY_Q4_K_S", "q5_k": "MOSTLY_Q5_K_S", "q6_k": "MOSTLY_Q6_K",
+                   "iq4_xs": "MOSTLY_IQ4_XS"}
+
+
+def _same_bits(a, b) -> bool:
+    a, b = np.ascontiguousarray(a, dtype=np.float32), np.ascontiguousarray(b, dtype=np.float32)
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def _ggml():
+    """llama.cpp's ggml library as llama-cpp-python ships it (its quantizers and block decoders)."""
+    llama_cpp = require_import("llama_cpp", "llama-cpp-python is not installed (scripts/setup.sh installs it)")
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+
+    class Traits(ctypes.Structure):  # ggml.h: struct ggml_type_traits
+        _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64), ("blck_size_interleave", ctypes.c_int64),
+                    ("type_size", ctypes.c_size_t), ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
+                    ("from_float_ref", ctypes.c_void_p)]
+
+    lib.ggml_get_type_traits.restype = ctypes.POINTER(Traits)
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_void_p]
+    return lib
+
+
+def _llamacpp_decode(lib, grid: Grid, blocks: np.ndarray, shape) -> np.ndarray:
+    traits = lib.ggml_get_type_traits(int(gguf.GGMLQuantizationType[grid.ggml])).contents
+    assert traits.type_size == grid.type_size and traits.blck_size == grid.block
+    out = np.zeros(int(np.prod(shape)), dtype=np.float32)
+    src = np.ascontiguousarray(blocks)
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(traits.to_float)(
+        src.ctypes.data, out.ctypes.data, out.size)
+    return out.reshape(shape)
+
+
+def _llamacpp_quantize(lib, grid: Grid, w: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    """llama.cpp's own quantization of ``w`` on ``grid`` (with an importance matrix), decoded."""
+    rows, cols = w.shape
+    src = np.ascontiguousarray(w.numpy(), dtype=np.float32)
+    dst = np.zeros((rows, cols // grid.block * grid.type_size), dtype=np.uint8)
+    imp = None if importance is None else np.ascontiguousarray(importance.numpy(), dtype=np.float32)
+    lib.ggml_quantize_chunk(int(gguf.GGMLQuantizationType[grid.ggml]), src.ctypes.data, dst.ctypes.data, 0, rows, cols,
+                            None if imp is None else imp.ctypes.data)
+    return torch.from_numpy(gguf.quants.dequantize(dst, gguf.GGMLQuantizationType[grid.ggml]))
+
+
+def _weights(rows=48, cols=512, seed=0):
+    """Weights with what real ones have: outlier columns, an all-zero block, a constant block."""
+    torch.manual_seed(seed)
+    w = torch.randn(rows, cols) * 0.05
+    w[:, 7] *= 12
+    w[3, :32] = 0
+    w[4, 32:64] = 0.01
+    importance = torch.rand(cols) ** 4 + 1e-3
+    importance[7] = 40.0
+    return w, importance
+
+
+# --- the registry and the blocks ------------------------------------------------------------------
+
+
+def test_the_grid_registry_refuses_a_duplicate_and_every_grid_has_its_gguf_block():
+    with pytest.raises(ValueError, match="grid 'q4_k' registered twice"):
+        register_grid(GRIDS["q4_k"])
+    assert isinstance(GRIDS, Registry) and set(GRIDS) >= {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "iq4_xs",
+                                                          "q3_k", "q4_k", "q5_k", "q6_k"}
+    for name, grid in GRIDS.items():
+        assert grid.ggml in PACKERS, name
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[grid.ggml]]
+        assert (block, size) == (grid.block, grid.type_size), name
+        assert len(grid.levels) == 2**grid.bits and list(grid.levels) == sorted(grid.levels), name
+    assert GRIDS["iq4_nl"].levels == KVALUES_IQ4NL == gguf.quants.IQ4_NL.kvalues
+
+
+@pytest.mark.parametrize("name", list(GRIDS))
+@pytest.mark.parametrize("weighted", [False, True], ids=["data-free", "importance"])
+def test_blocks_decode_to_the_fitted_weights_bit_for_bit_in_gguf_and_in_llamacpp(name, weighted):
+    grid = GRIDS[name]
+    w, importance = _weights()
+    found = fit(grid, w, importance if weighted else None)
+    assert _same_bits(decode(grid, found.codes, found.fields), found.weight)
+    assert set(found.fields) == set(grid.fields) and found.codes.dtype == torch.uint8
+    assert int(found.codes.max()) < len(grid.levels)
+    blocks = pack_blocks(grid, found.codes.numpy(), {k: v.numpy() for k, v in found.fields.items()})
+    assert blocks.shape == (w.shape[0], w.shape[1] // grid.block * grid.type_size)
+    assert _same_bits(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[grid.ggml]), found.weight)
+    assert _same_bits(_llamacpp_decode(_ggml(), grid, blocks, w.shape), found.weight)
+    # the all-zero block decodes to zeros; nothing is NaN anywhere
+    assert torch.isfinite(found.weight).all() and not found.weight[3, :32].any()
+
+
+@pytest.mark.parametrize("name", list(GRIDS))
+def test_the_importance_weighted_search_is_as_good_as_llamacpps_own(name):
+    """On the error llama.cpp's quantizer minimises (its quant_weights formula with the importance matrix),
+    slmedge's fit is no worse than ggml_quantize_chunk's (within 1%; measured lower for most types)."""
+    grid = GRIDS[name]
+    w, importance = _weights(rows=64, cols=1024, seed=1)
+    mine = fit(grid, w, importance).weight
+    theirs = _llamacpp_quantize(_ggml(), grid, w, importance)
+    wt = element_weights(grid, w, importance)
+    err_mine, err_theirs = float(((w - mine) ** 2 * wt).sum()), float(((w - theirs) ** 2 * wt).sum())
+    assert err_mine <= 1.01 * err_theirs, (name, err_mine, err_theirs)
+
+
+# --- scales chosen by importance ---------------------------------------------------------------------
+
+
+def test_importance_weighted_rounding_beats_min_max_rounding_on_a_dominant_input_channel():
+    """A layer whose input channel 5 is 30x the others: rounding weighted by the inputs' mean squares
+    keeps that column's weights precise, min/max rounding does not look at the inputs. Compared on the
+    same Q4_0 format (min/max: the uniform grid's symmetric 4-bit g32, the very codes Q4_0 holds)."""
+    torch.manual_seed(0)
+    x = torch.randn(4096, 256)
+    x[:, 5] *= 30
+    w = torch.randn(64, 256) * 0.02
+    w[:, 5] *= 0.1  # a small weight on the loud channel: min/max scales are set by the other weights
+    importance = (x * x).mean(dim=0)
+    minmax = quantize_groups(w, QuantSpec(4, 32, True))[0]
+    weighted = fit(GRIDS["q4_0"], w, importance).weight
+    data_free = fit(GRIDS["q4_0"], w, None).weight
+    out = x @ w.t()
+    for q in (weighted, data_free):
+        assert _same_bits(q, fit(GRIDS["q4_0"], w, importance if q is weighted else None).weight)  # deterministic
+
+    def output_error(q):
+        return float(((x @ q.t() - out) ** 2).sum())
+
+    # measured: 0.131 against 0.180 (importance-weighted), about the same ratio on the output
+    assert weighted_error(w, weighted, importance) < 0.8 * weighted_error(w, minmax, importance)
+    assert output_error(weighted) < 0.8 * output_error(minmax)
+    assert output_error(weighted) < output_error(data_free)
+    # the same on the other grids: weighting by importance lowers the layer's output error
+    for name in ("q4_k", "iq4_xs", "q3_k", "q5_0", "q4_1"):
+        grid = GRIDS[name]
+        assert output_error(fit(grid, w, importance).weight) < output_error(fit(grid, w, None).weight), name
+
+
+def test_q4_1_with_a_float_min_reproduces_a_tensor_already_on_a_q4_1_grid_exactly():
+    """Weights as llama.cpp's Q4_1 quantizer writes them (SmolLM2's embedded GGUF is such a file): every
+    block on d*q + m with a free fp16 m (any sign, not a multiple of d). The uniform asymmetric grid (an
+    integer zero point) cannot hold them; the q4_1 grid finds them again, bit for bit."""
+    torch.manual_seed(0)
+    raw = (torch.randn(64, 512) * 0.05 + torch.linspace(-0.2, 0.2, 64)[:, None]).numpy()
+    blocks = gguf.quants.quantize(raw, gguf.GGMLQuantizationType.Q4_1)
+    on_grid = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1))
+    importance = torch.rand(512) + 0.1
+    for imp in (None, importance):
+        again = fit(GRIDS["q4_1"], on_grid, imp)
+        assert _same_bits(again.weight, on_grid)
+    assert not torch.equal(quantize_groups(on_grid, QuantSpec(4, 32, False))[0], on_grid)
+
+
+def test_gptq_onto_a_grid_keeps_its_scales_and_beats_rounding_on_the_layers_output():
+    torch.manual_seed(0)
+    mix = torch.randn(256, 256) * 0.3 + torch.eye(256)
+    x = torch.randn(2048, 256) @ mix  # correlated inputs: what GPTQ's error compensation uses
+    w = torch.randn(96, 256) * 0.05
+    H = 2 * x.t() @ x / x.shape[0]
+    out = x @ w.t()
+    for name in ("q4_k", "iq4_xs", "q3_k", "q4_1", "iq4_nl"):
+        grid = GRIDS[name]
+        imp = torch.diagonal(H) / 2
+        Q, codes, fields, perm = gptq_quantize_grid(w, H, grid, imp, actorder=True)
+        assert _same_bits(decode(grid, codes, fields), Q)  # what the artifact rebuilds, the GGUF decodes
+        rounded = fit(grid, w, imp)
+        assert all(torch.equal(fields[k], rounded.fields[k]) for k in fields)  # the scales are the search's
+        assert float(((x @ Q.t() - out) ** 2).sum()) < 0.8 * float(((x @ rounded.weight.t() - out) ** 2).sum()), name
+
+
+# --- llama.cpp's fallback -----------------------------------------------------------------------------
+
+
+def test_fallbacks_are_llamacpps():
+    assert {n: g.fallback for n, g in GRIDS.items() if g.fallback} == {
+        "iq4_xs": "iq4_nl", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+    assert grid_for_width("q4_k", 512).name == "q4_k" and grid_for_width("q4_k", 576).name == "q5_0"
+    assert grid_for_width("q4_0", 576).name == "q4_0"
+    with pytest.raises(ConfigError, match="rows divisible by 32"):
+        grid_for_width("q4_k", 48)
+
+
+def _llamacpp_pure_types(f32_gguf, ftype: str, out) -> dict[str, str]:
+    """The type llama.cpp's quantizer gives each 2-D blk tensor of ``f32_gguf`` in a ``pure`` file of ``ftype``
+    (its own choice of types per tensor off: only its fallback for incompatible rows applies)."""
+    from slmedge.models.gguf_check import quiet_native_stderr
+
+    llama_cpp = require_import("llama_cpp")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{ftype}")
+    params.pure = True
+    params.nthread = 1
+    with quiet_native_stderr():
+        assert llama_cpp.llama_model_quantize(str(f32_gguf).encode(), str(out).encode(), params) == 0
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors
+            if t.name.startswith("blk.") and len(t.shape) == 2}
+
+
+# --- codes through GGUF on tiny models of every GGUF architecture ---------------------------------------
+
+
+def _check_gguf_holds_the_artifact(path, art_dir, report) -> dict[str, str]:
+    """Every coded linear of the artifact is a tensor of its grid's type in the file, whose blocks decode
+    to the artifact's weights bit for bit (llama.cpp's q/k row order undone). Returns GGUF name -> type."""
+    from slmedge.export.source import iter_weights
+    from slmedge.models.architectures import ARCHITECTURES
+
+    layers = Artifact.open(art_dir).layers()
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    config = json.loads((art_dir / "config.json").read_text())
+    heads = {rel: config.get(attr) or config["num_attention_heads"]
+             for rel, attr in ARCHITECTURES[config["model_type"]].gguf.permute}
+    weights = dict(iter_weights(art_dir, {f"{n}.weight" for n in layers}))
+    types = {}
+    for name, info in report["tensors"].items():
+        if not info.get("codes_kept"):
+            continue
+        layer = info["hf_name"].removesuffix(".weight")
+        t, res = tensors[name], layers[layer]
+        assert t.tensor_type.name == res.spec.ggml, (layer, t.tensor_type.name, res.spec.ggml)
+        decoded = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        rel = next((r for r in heads if layer.endswith("." + r)), None)
+        if rel is not None:
+            decoded = unpermute_rows(decoded, heads[rel])
+        assert _same_bits(decoded, weights[f"{layer}.weight"]), layer
+        types[name] = t.tensor_type.name
+    assert len(types) == len(layers)
+    return types
+
+
+GGUF_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")  # gemma2 has no GGUF export
+
+
+@pytest.mark.parametrize("wide", [True, False], ids=["wide", "narrow"])
+@pytest.mark.parametrize("model_type", GGUF_TYPES)
+def test_each_grid_reaches_gguf_bit_for_bit_and_llamacpp_agrees_with_torch(model_type, wide, tiny_models, wide_models,
+                                                                           calib_file, tmp_path):
+    """Every grid on a wide model (its 256-wide rows in K-quant / IQ4_XS blocks, the 288-wide down
+    projection in llama.cpp's fallback) and the super-block grids on a narrow one (every row falls back):
+    the codes reach the file bit for bit, the export's check of llama.cpp's logits against torch's passes,
+    and the types are the very ones llama.cpp's own quantizer picks for the same tensors."""
+    src = (wide_models if wide else tiny_models)(model_type)
+    f32 = tmp_path / "f32.gguf"
+    export_gguf(src, f32, qtype="f32", verify=False)
+    for name in (GRIDS if wide else SUPER):
+        recipe = small_recipe(calib_file, method="rtn", grid=name, importance=wide)
+        art = compress(str(src), recipe, tmp_path / name, device="cpu").artifact
+        assert Artifact.open(art).version == 3
+        report = export_gguf(art, tmp_path / f"{name}.gguf")
+        assert report["exact"] and report["codes_kept"] == len(Artifact.open(art).layers()), name
+        assert report["verification"]["mean_kl"] < gx.TOLERANCES["kept"]["mean_kl"]
+        types = _check_gguf_holds_the_artifact(tmp_path / f"{name}.gguf", art, report)
+        if name in LLAMACPP_FTYPES:
+            theirs = _llamacpp_pure_types(f32, LLAMACPP_FTYPES[name], tmp_path / f"{name}-llamacpp.gguf")
+            assert types == {n: theirs[n] for n in types}, name
+            assert any(t != GRIDS[name].ggml for t in types.values()) or wide  # narrow rows all fell back
+            if wide:
+                assert GRIDS[name].ggml in types.values()
+
+
+@pytest.mark.parametrize("method,grid", [("gptq", "q4_k"), ("gptq", "iq4_xs"), ("awq", "q4_1"), ("awq", "q6_k"),
+                                         ("gptq", "iq4_nl"), ("awq", "q3_k")])
+def test_gptq_and_awq_onto_grids_reach_gguf_bit_for_bit(method, grid, wide_models, calib_file, tmp_path):
+    src = wide_models("qwen2")
+    art = compress(str(src), small_recipe(calib_file, method=method, grid=grid), tmp_path / "art", device="cpu").artifact
+    layers = Artifact.open(art).layers()
+    assert {r.spec.name for r in layers.values()} == {grid, GRIDS[grid].fallback or grid}
+    report = export_gguf(art, tmp_path / "m.gguf")
+    assert report["exact"] and report["verification"]["mean_kl"] < gx.TOLERANCES["kept"]["mean_kl"]
+    _check_gguf_holds_the_artifact(tmp_path / "m.gguf", art, report)
+
+
+def test_same_seed_same_artifact_bytes(wide_models, calib_file, tmp_path):
+    src = wide_models("llama")
+    for method in ("gptq", "awq"):
+        a = compress(str(src), small_recipe(calib_file, method=method, grid="q4_k"), tmp_path / f"{method}1", device="cpu")
+        b = compress(str(src), small_recipe(calib_file, method=method, grid="q4_k"), tmp_path / f"{method}2", device="cpu")
+        for f in ("quantization.safetensors", "weights.safetensors"):
+            assert (a.artifact / f).read_bytes() == (b.artifact / f).read_bytes(), (method, f)
+
+
+def test_pruning_onto_a_grid_keeps_pruned_weights_zero_and_refuses_grids_without_a_zero(wide_models, calib_file,
+                                                                                           tmp_path):
+    src = wide_models("llama")
+    for method in ("sparsegpt", "wanda"):
+        out = compress(str(src), small_recipe(calib_file, method=method, grid="q3_k", sparsity="0.5", bits=None),
+                       tmp_path / method, device="cpu")
+        # 256-wide rows on Q3_K, the 288-wide down projection on llama.cpp's fallback Q4_0
+        assert {e["grid"] for e in Artifact.open(out.artifact).manifest["layers"].values()} == {"q3_k", "q4_0"}
+        with pytest.raises(ConfigError, match="no zero level"):
+            small_recipe(calib_file, method=method, grid="iq4_nl", sparsity="0.5", bits=None).validate()
+    art = Artifact.open(tmp_path / "sparsegpt")
+    model = art.load_model()
+    for name, res in art.layers().items():
+        w = model.get_submodule(name).weight.data
+        assert not w[~res.mask].any() and abs(float(res.mask.float().mean()) - 0.5) < 0.01
+
+
+# --- the artifact --------------------------------------------------------------------------------------
+
+
+def test_grid_artifacts_are_format_version_3_and_uniform_ones_stay_2(artifacts, tmp_path):
+    uniform = Artifact.open(artifacts("llama", "rtn", bits=4, group_size=32, symmetric=True))
+    on_grid = Artifact.open(artifacts("llama", "rtn", grid="q4_0"))
+    assert uniform.version == 2 and on_grid.version == 3
+    entry = next(iter(on_grid.manifest["layers"].values()))
+    assert entry["grid"] == "q4_0" and entry["bits"] == 4 and "group_size" not in entry
+    # the same codes as the uniform grid's symmetric 4-bit g32 (Q4_0's min/max scale is one of the search's)
+    for name, res in on_grid.layers().items():
+        assert res.codes.dtype == torch.uint8 and res.fields["d"].dtype == torch.float16
+    manifest = json.loads((on_grid.path / "slmedge.json").read_text())
+    manifest["format_version"] = 4
+    import shutil
+
+    newer = tmp_path / "newer"
+    shutil.copytree(on_grid.path, newer)
+    (newer / "slmedge.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="format version 4.*reads versions 1 to 3"):
+        Artifact.open(newer)
+
+
+def test_compressed_tensors_and_onnx_do_not_write_grid_codes(artifacts, tmp_path):
+    from slmedge.export.compressed_tensors import CompressedTensorsExportError, plan_layers
+    from slmedge.export.onnx import cannot_place
+    from slmedge.export.source import open_export_source
+
+    art = artifacts("llama", "rtn", grid="q4_k")
+    # the exporter's plan refuses what the format cannot hold, before anything is written
+    with pytest.raises(CompressedTensorsExportError, match="llama.cpp's q5_0 grid.*--format gguf"):
+        plan_layers(open_export_source(art, lazy_layers=True))
+    for grid in GRIDS.values():  # ONNX re-quantizes them (warning) or, with --exact, refuses
+        assert "no MatMulNBits form" in cannot_place(grid, 256)
+    assert cannot_place(QuantSpec(4, 32, True), 256) is None
+
+
+def test_export_type_other_than_the_grid_requantizes_with_a_warning_or_refuses_with_exact(artifacts, tmp_path):
+    art = artifacts("llama", "rtn", grid="q4_0")
+    with pytest.warns(UserWarning, match="re-quantized by llama.cpp"):
+        report = export_gguf(art, tmp_path / "k.gguf", qtype="iq4_nl")
+    assert report["codes_kept"] == 0 and not report["exact"]
+    with pytest.raises(gx.GGUFExportError, match="codes on grid q4_0 are not iq4_nl's iq4_nl"):
+        export_gguf(art, tmp_path / "e.gguf", qtype="iq4_nl", exact=True)
+    assert not (tmp_path / "e.gguf").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert export_gguf(art, tmp_path / "q.gguf", qtype="q4_0")["exact"]  # its own type: no warning
+
+
+# --- settings --------------------------------------------------------------------------------------------
+
+
+def test_grid_settings_are_checked_before_any_work(tiny_models, tmp_path):
+    bad = [dict(grid="q9_9", match="unknown grid"), dict(grid="q4_k", bpw=4.5, match="not both"),
+           dict(importance=True, match="uniform grid"), dict(bpw=2.0, match="bpw must be"),
+           dict(method="wanda", sparsity="0.5", bits=None, grid="q4_1", match="no zero level"),
+           dict(method="sparsegpt", sparsity="0.5", bits=None, bpw=5.0, match="zero level")]
+    for kw in bad:
+        match = kw.pop("match")
+        with pytest.raises(ConfigError, match=match):
+            Recipe(**{"method": "rtn", **kw}).validate()
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["compress", str(tiny_models("llama")), "--method", "rtn", "--grid", "q9_9", "-o", str(out)])
+    one_line_error(res, "unknown grid 'q9_9'")
+    assert res.exit_code == 2 and not out.exists()
+
+
+# --- mixed grids to a budget ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method,bpw", [("rtn", 4.2), ("rtn", 5.0), ("gptq", 4.6), ("awq", 6.0)])
+def test_a_bits_per_weight_budget_lands_within_one_percent(method, bpw, wide_models, calib_file, tmp_path):
+    src = wide_models("llama")
+    out = compress(str(src), small_recipe(calib_file, method=method, bpw=bpw), tmp_path / "art", device="cpu")
+    got = out.summary["bits_per_weight"]
+    assert (1 - TOLERANCE) * bpw <= got <= bpw, got
+    art = Artifact.open(out.artifact)
+    layers = art.layers()
+    bits = sum(linear_bits(*r.codes.shape, r.spec) for r in layers.values())
+    assert bits / sum(r.codes.numel() for r in layers.values()) == pytest.approx(got, abs=1e-4)
+    # the GGUF holds exactly those blocks
+    report = export_gguf(out.artifact, tmp_path / "m.gguf")
+    assert report["exact"]
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    coded = [t for t in reader.tensors if report["tensors"][t.name].get("codes_kept")]
+    assert sum(int(t.n_bytes) for t in coded) * 8 == bits
+
+
+def test_the_allocation_picks_by_sensitivity_and_refuses_what_no_mix_reaches(tiny_models, tmp_path):
+    shapes = {"a": (256, 256), "b": (256, 256)}
+    # "a" loses much more than "b" on every grid: the budget's spare bits go to "a"
+    errors = {"a": {g.name: 10 / g.bits_per_weight**4 for g in candidates(256)},
+              "b": {g.name: 0.1 / g.bits_per_weight**4 for g in candidates(256)}}
+    picked = allocate(shapes, errors, 5.5)
+    assert GRIDS[picked["a"]].bits_per_weight > GRIDS[picked["b"]].bits_per_weight
+    res = runner.invoke(app, ["compress", str(tiny_models("llama")), "--method", "rtn", "--bpw", "4.0",
+                              "-o", str(tmp_path / "out"), "--nsamples", "4", "--seqlen", "32"])
+    one_line_error(res, "bpw 4 is below what llama.cpp's grids can reach")  # 64-wide rows: 4.5 at least
+    assert res.exit_code == 2 and not (tmp_path / "out").exists()
