@@ -1,4 +1,4 @@
-"""onnxruntime: run a decoder exported with KV cache (optimum's layout) on token ids.
+"""onnxruntime: run a decoder exported with KV cache (the layout slmedge, optimum and onnxruntime-genai's builder write) on token ids.
 
 The session's own input metadata says what it needs: ``input_ids``, ``attention_mask``,
 ``position_ids`` when present (Gemma exports have none), and ``past_key_values.N.key/value``

@@ -35,6 +35,7 @@ from .. import __version__
 from ..fsutil import atomic_directory, sealed, sha256_file, write_json_atomic
 from ..models.artifact_format import (FORMAT, FORMAT_VERSION, MANIFEST, QUANT_FILE, WEIGHTS_FILE, format_version,
                                       is_artifact, manifest_path, open_manifest, read_manifest, verify_files)
+from ..models.architectures import exact_attention
 from ..models.artifact_weights import KEPT_SUFFIX, rebuild_linear
 from .methods.base import LinearResult
 from .quant import QuantSpec, codes_per_byte, pack_codes, pack_mask, unpack_codes, unpack_mask
@@ -278,7 +279,7 @@ class Artifact:
             return load_model(self.path, dtype)
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, use_safetensors=True)
+        return exact_attention(AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, use_safetensors=True))
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer

@@ -27,7 +27,7 @@ from ..backends.llamacpp import require_llama_cpp  # noqa: F401 - re-exported
 from ..errors import ModelLoadError, ModelNotFoundError, RuntimeNotInstalledError, SlmedgeError, brief
 from ..fsutil import atomic_directory, sha256_file, write_json_atomic
 from ..paths import cache_dir
-from .architectures import Architecture, architecture_for
+from .architectures import Architecture, architecture_for, exact_attention
 from .gguf_tokenizer import adds_bos
 from .artifact_format import (QUANT_FILE, V1_WEIGHTS_FILE, WEIGHTS_FILE, format_version, is_artifact, open_manifest,
                               safetensors_header)
@@ -272,7 +272,7 @@ def load(
     tokenizer = _load_tokenizer(target, source, revision, trust_remote_code, getattr(config, "model_type", None))
     if source.kind == "hub":
         identity["revision"] = getattr(config, "_commit_hash", None) or revision
-    model.eval()
+    exact_attention(model).eval()
     return LoadedModel(model, tokenizer, arch, source, identity, hf_dir)
 
 
@@ -485,7 +485,7 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:
         raise ModelLoadError(f"transformers cannot import {gguf_path}: {_first_line(exc)}") from exc
-    model.eval()
+    exact_attention(model).eval()
     _drop_gguf_quantizer(model)
     _keep_bos_flag(tokenizer, gguf_path)
     from .gguf_tokenizer import repair_gguf_tokenizer
