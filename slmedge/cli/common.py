@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..errors import OutputError, OutputExistsError, SlmedgeError
+from ..errors import OutputError, OutputExistsError, SlmedgeError, brief
 from ..fsutil import disk_full, refuse_replacing
 
 console = Console()
@@ -103,8 +103,8 @@ def errors_to_exit() -> Iterator[None]:
         if disk_full(exc):  # a library's own error around ENOSPC (safetensors raises SafetensorError)
             print_error("no space left on the device")
             raise typer.Exit(1) from None
-        first = (str(exc).splitlines() or [""])[0][:300]
-        print_error(f"unexpected {type(exc).__name__}: {first} (run with --debug for the traceback)")
+        print_error(f"unexpected {type(exc).__name__}: {brief(exc)} "
+                    "(run with --debug for the traceback)")
         raise typer.Exit(1) from None
 
 
@@ -166,12 +166,13 @@ def check_output_file(path: Path, *, option: str = "-o", overwrite: bool | None 
     return path
 
 
-def check_model(spec, revision: str | None = None):
+def check_model(spec, revision: str | None = None, trust_remote_code: bool = False):
     """Resolve a model source before anything is written (a missing one leaves no output folder):
-    returns its ModelSource; a missing or unreachable one raises ModelNotFoundError."""
+    returns its ModelSource; a missing or unreachable one raises ModelNotFoundError, one whose files
+    name code to run RemoteCodeError (unless ``trust_remote_code``)."""
     from ..models.source import resolve
 
-    return resolve(spec, revision)
+    return resolve(spec, revision, trust_remote_code)
 
 
 @contextlib.contextmanager

@@ -138,7 +138,7 @@ def compress(
     dev = resolve_device(device)
     if write:
         output = Path(output) if output is not None else default_output(model or "smollm2-135m", recipe)
-        resolve(model, revision)  # a missing model is said first, and creates nothing
+        resolve(model, revision, trust_remote_code)  # a missing model is said first, and creates nothing
         check_output_dir(output, overwrite, MANIFEST, inputs=[model])
     started = time.perf_counter()
     loaded = load(model, revision=revision, trust_remote_code=trust_remote_code,

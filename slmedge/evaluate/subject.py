@@ -20,6 +20,7 @@ from ..errors import ConfigError, brief
 from ..export.formats import format_for_path, get_format
 from ..fsutil import memory_available, sha256_file
 from ..models.artifact_format import is_artifact, manifest_path, read_manifest
+from ..models.remote_code import refuse_code
 from ..models.source import load, resolve
 from ..paths import cache_dir
 from ..runtimes import Runtime, TorchRuntime
@@ -141,7 +142,7 @@ def open_subject(spec: str | None, runtime: str | None = None, threads: int | No
                              factory, streamed)
 
     # --- model sources: torch, or exported for the other runtimes ------------------------------
-    source = resolve(spec, None)
+    source = resolve(spec, None, trust_remote_code)
     if not want.runs_files:
         base = _artifact_base(source.path) if source.kind == "artifact" else None
         return _source_subject(spec_s, source, threads, device, trust_remote_code, base, streamed)
@@ -176,9 +177,11 @@ def _file_subject(spec_s: str, path: Path, fmt: str, rt: str, runs_files: bool, 
             raise ConfigError(f"{path} is {export_format.what}: it runs in {' or '.join(_runners(fmt))} "
                               f"(evaluate its source for {rt})")
         digest = sha256_file(path) if path.is_file() else _sha256_files(sorted(f for f in path.rglob("*") if f.is_file()))
-        return _source_subject(spec_s, resolve(str(path)), threads, device, False, None, streamed,
+        return _source_subject(spec_s, resolve(str(path), None, trust_remote_code), threads, device, False, None, streamed,
                                {"kind": fmt, "path": str(path.resolve()), "sha256": digest})
     model_file = export_format.model_file(path)
+    if export_format.tokenizer != "inside":  # a folder whose tokenizer files transformers reads: checked first
+        refuse_code(model_file.parent, trust_remote_code)
     run = factory(rt, model_file, threads, n_ctx)
     if export_format.tokenizer == "inside":  # the file's own vocabulary, read by llama.cpp's loader
         encoder = LlamaCppEncoder(getattr(run, "llm", None) or _vocab(model_file))

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArtifactError, SlmedgeError, brief
+from ..models.remote_code import refuse_code
 from ..fsutil import check_seal, sha256_file
 from ..models.artifact_format import MANIFEST, is_artifact
 from ..models.gguf_seal import MANIFEST_KEY
@@ -30,6 +31,8 @@ def inspect_path(path) -> dict:
     p = Path(path)
     if not p.exists():
         raise InspectError(f"{p} does not exist")
+    if p.is_dir():
+        refuse_code(p)  # a folder whose configuration names code is refused before anything reads it
     formats = [f for f in FORMATS.values() if f.inspect is not None]
     name = format_for_path(p)  # by suffix, by a look inside a folder, or by a file's first bytes
     found = FORMATS[name] if name is not None and FORMATS[name].inspect is not None else None

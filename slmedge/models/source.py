@@ -29,6 +29,7 @@ from ..fsutil import atomic_directory, sha256_file, write_json_atomic
 from ..paths import cache_dir
 from .architectures import Architecture, architecture_for, exact_attention
 from .gguf_tokenizer import adds_bos
+from .remote_code import refuse_code, refuse_config
 from .artifact_format import (QUANT_FILE, V1_WEIGHTS_FILE, WEIGHTS_FILE, format_version, is_artifact, open_manifest,
                               safetensors_header)
 
@@ -88,8 +89,17 @@ class LoadedModel:
     hf_dir: Path | None = None
 
 
-def resolve(spec: str | None, revision: str | None = None) -> ModelSource:
-    """Say what kind of source ``spec`` is, or why it is none."""
+def resolve(spec: str | None, revision: str | None = None, trust_remote_code: bool = False) -> ModelSource:
+    """Say what kind of source ``spec`` is, or why it is none. A local folder (or a Hub model's cached
+    snapshot) whose configuration names code to fetch or run is refused here, before anything reads it,
+    unless ``trust_remote_code``."""
+    source = _resolve(spec, revision)
+    if source.path is not None and source.path.is_dir():
+        refuse_code(source.path, trust_remote_code)
+    return source
+
+
+def _resolve(spec: str | None, revision: str | None) -> ModelSource:
     if spec is None or spec.lower() in EMBEDDED:
         name = DEFAULT_MODEL if spec is None else spec.lower()
         return ModelSource("embedded", name)
@@ -205,6 +215,28 @@ def _hub_source(spec: str, revision: str | None) -> ModelSource:
         "or set HF_HUB_OFFLINE=1 and use a cached model")
 
 
+def _hub_config_files(spec: str, revision: str | None) -> Path:
+    """The snapshot folder holding ``spec``'s configuration files (those of ``remote_code.FILES`` it has),
+    downloaded into the local Hugging Face cache: nothing else is fetched, nothing is read but by slmedge."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, RemoteEntryNotFoundError
+
+    from .remote_code import FILES
+
+    folder = None
+    for name in FILES:
+        try:
+            folder = Path(hf_hub_download(spec, name, revision=revision, cache_dir=str(hub_cache_dir()))).parent
+        except (EntryNotFoundError, RemoteEntryNotFoundError):
+            continue
+        except Exception as exc:  # noqa: BLE001 - the network, a wrong id, a gated repository
+            raise ModelNotFoundError(f"could not get {name} of '{spec}' from the Hugging Face Hub ({brief(exc)}); "
+                                     "check the id, your network, or use a local folder") from exc
+    if folder is None:
+        raise ModelNotFoundError(f"'{spec}' on the Hugging Face Hub has no config.json: not a model slmedge can load")
+    return folder
+
+
 # load(dtype=SOURCE_DTYPE): the floating dtype the weights are stored in (``stored_dtype``).
 SOURCE_DTYPE = "source"
 _SAFETENSORS_FLOATS = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
@@ -240,7 +272,7 @@ def load(
 ) -> LoadedModel:
     """Load a model source as (model, tokenizer) on the CPU in ``dtype`` (``SOURCE_DTYPE``: the
     dtype its weights are stored in; a compact artifact's rebuilt weights are fp32)."""
-    source = spec if isinstance(spec, ModelSource) else resolve(spec, revision)
+    source = spec if isinstance(spec, ModelSource) else resolve(spec, revision, trust_remote_code)
     if source.kind == "embedded":
         gguf_path = embedded_gguf_path(source.spec)
         hf_dir = gguf_to_hf_dir(gguf_path, verify=verify_gguf)
@@ -259,6 +291,10 @@ def load(
     else:  # a Hub id: downloaded, or its snapshot in the local cache when the Hub cannot be reached
         hf_dir = source.path
         identity = {"kind": "hub", "id": source.spec, "revision": revision}
+        if hf_dir is None:  # its small configuration files first, checked before transformers reads them
+            refuse_code(_hub_config_files(source.spec, revision), trust_remote_code)
+    if hf_dir is not None:  # the folder transformers will read (a GGUF import's cache, an artifact...)
+        refuse_code(hf_dir, trust_remote_code)
     target = str(hf_dir) if hf_dir is not None else source.spec
     config = _load_config(target, source, revision, trust_remote_code)
     arch = architecture_for(config)
@@ -476,6 +512,7 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
         config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:
         raise ModelLoadError(f"cannot read {gguf_path} as a GGUF model: {_first_line(exc)}") from exc
+    refuse_config(config.to_dict(), str(gguf_path))  # what its metadata became, before any model is built
     architecture_for(config)
     started = time.perf_counter()
     try:
