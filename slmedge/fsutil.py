@@ -65,10 +65,16 @@ def sealed(manifest: dict) -> dict:
     return {**{k: v for k, v in manifest.items() if k != SEAL_KEY}, SEAL_KEY: manifest_digest(manifest)}
 
 
-def check_seal(manifest: dict, where, error: type = SlmedgeError) -> None:
-    """Raise ``error`` when a sealed manifest's content no longer matches its seal. A manifest
-    without one (written before seals existed) passes: its files' checksums still hold."""
+def check_seal(manifest: dict, where, error: type = SlmedgeError, required: bool = False) -> None:
+    """Raise ``error`` when a sealed manifest's content no longer matches its seal, or (``required``:
+    the manifest is of a format slmedge has always written sealed) when it has no seal at all: a seal
+    that was removed, with whatever edit it covered. ``required=False`` is for the formats written
+    before seals existed (artifact format 1), whose files' checksums and quantization metadata still
+    hold."""
     recorded = manifest.get(SEAL_KEY) if isinstance(manifest, dict) else None
+    if recorded is None and required:
+        raise error(f"{where} has no {SEAL_KEY}, and slmedge writes every manifest of its kind sealed: its seal was "
+                    "removed, and any edit it covered cannot be seen; it cannot be trusted; write it again")
     if recorded is not None and recorded != manifest_digest(manifest):
         raise error(f"{where} was changed after slmedge wrote it (its content no longer matches its "
                     f"{SEAL_KEY}): it cannot be trusted; write it again")

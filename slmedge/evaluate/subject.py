@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..export.formats import format_for_path, get_format
 from ..fsutil import memory_available, sha256_file
-from ..models.artifact_format import is_artifact, manifest_path, read_manifest
+from ..models.artifact_format import is_artifact, manifest_path
 from ..models.source import load, resolve
 from ..paths import cache_dir
 from ..runtimes import Runtime, TorchRuntime
@@ -69,11 +69,21 @@ def base_spec_from_identity(base: dict | None) -> str | None:
     return None
 
 
-def _artifact_base(folder: Path) -> str | None:
+def _artifact_base(folder: Path, recorded: str | None = None) -> str | None:
+    """The base model an artifact's manifest names (the fidelity reference), taken from a manifest
+    that passes its seal (an unsealed one of a sealed format version is refused), and with
+    ``recorded`` (an export's ``source_manifest_sha256``) only from the very manifest the export was
+    written from: an artifact changed since names no base for it."""
+    from ..errors import ArtifactError
+    from ..models.artifact_format import check_manifest_seal, open_manifest_bytes
+
     try:
-        manifest = read_manifest(folder)
-    except (OSError, ValueError):
+        manifest, digest = open_manifest_bytes(folder, verify=False)
+    except (ArtifactError, OSError):
         return None
+    if recorded is not None and digest != recorded:
+        return None
+    check_manifest_seal(folder, manifest)
     return base_spec_from_identity(manifest.get("base_model"))
 
 
@@ -83,7 +93,7 @@ def _export_base(manifest: dict | None) -> str | None:
         return None
     src = manifest.get("source")
     if src and is_artifact(src):
-        return _artifact_base(Path(src))
+        return _artifact_base(Path(src), manifest.get("source_manifest_sha256"))
     return src if src and Path(src).exists() else None
 
 

@@ -25,10 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..compress.artifact import MANIFEST
 from ..compress.quant import QuantSpec
 from ..errors import OutputExistsError, UnsupportedArchitectureError
-from ..fsutil import sha256_file
 from ..models.architectures import ARCHITECTURES, Architecture, GGUFLayout
 from ..models.gguf_seal import check_gguf, placeholder_manifest, seal_gguf
 from .errors import ExportError, GGUFExportError, GGUFVerificationError
@@ -387,7 +385,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         "format": "slmedge-gguf-export",
         "source": str(src.path),
         "source_kind": "artifact" if src.artifact is not None else "hf_dir",
-        "source_manifest_sha256": sha256_file(src.path / MANIFEST) if src.artifact is not None else None,
+        "source_manifest_sha256": src.artifact.manifest_sha256 if src.artifact is not None else None,
         "recipe": (src.artifact.manifest.get("recipe") if src.artifact is not None else None),
         "qtype": target.name,
         "tensors": {n: {k: v for k, v in t.items() if k in ("type", "codes_kept", "grid", "sparsity", "requantized_because")}

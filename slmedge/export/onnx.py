@@ -36,7 +36,6 @@ import numpy as np
 from ..compress.quant import QuantSpec, pack_codes
 from ..errors import UnsupportedArchitectureError
 from ..fsutil import atomic_directory, check_output_dir, sealed, sha256_file, write_json_atomic
-from ..models.artifact_format import manifest_path
 from .errors import ONNXExportError, ONNXVerificationError  # noqa: F401 - re-exported
 from .formats import get_format, register_format
 from .inspect import (EXPORT_MANIFEST, inspect_onnx, is_onnx_folder, onnx_model_facts, onnx_model_files, onnx_rows,
@@ -531,7 +530,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
             "format": "slmedge-onnx-export",
             "source": str(src.path),
             "source_kind": "artifact" if src.artifact is not None else "hf_dir",
-            "source_manifest_sha256": sha256_file(manifest_path(src.path)) if src.artifact is not None else None,
+            "source_manifest_sha256": src.artifact.manifest_sha256 if src.artifact is not None else None,
             "model_type": src.model_type,
             "type": key,
             "exact": bool(has_codes and kept and kept == len(report_layers) and key in ("int4", "int8")),

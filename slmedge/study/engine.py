@@ -181,9 +181,11 @@ def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) 
     if job["kind"] == "compress":
         from ..models.artifact_format import read_manifest
 
-        if _made(job["kind"], spec, out):  # finished before a kill, not yet recorded
+        if _made(job["kind"], spec, out):  # finished before a kill, not yet recorded: used once checked
+            from ..models.artifact_format import open_manifest
+
             return {"output": str(out), "reused": True, "seconds": 0.0,
-                    "facts": levels.artifact_level(read_manifest(out).get("summary") or {})}
+                    "facts": levels.artifact_level(open_manifest(out).get("summary") or {})}
         from ..compress.api import compress
         from ..compress.recipe import Recipe
 
