@@ -38,10 +38,11 @@ state = State()
 
 INTERRUPTED = 130
 
-# The temporary names slmedge writes under before renaming into place (fsutil, the GGUF writer):
-# ".slmedge-tmp-<uuid>-NAME", ".slmedge-tmp-<pid>[-<hex8>][-stage|-old]-NAME". A message names
-# the user's NAME, never these.
-_TMP_NAME = re.compile(r"\.slmedge-tmp-(?:[0-9a-f]{32}|\d+(?:-[0-9a-f]{8})?)(?:-stage|-old)?-")
+# The temporary names slmedge writes under before renaming into place (fsutil.temp_name):
+# ".slmedge-tmp-<pid>-<hex8>-<kind>-NAME"; earlier versions' ".slmedge-tmp-<uuid>-NAME" and
+# ".slmedge-tmp-<pid>[-<hex8>][-stage|-old]-NAME". A message names the user's NAME, never these.
+_TMP_NAME = re.compile(r"\.slmedge-tmp-(?:\d+-[0-9a-f]{8}-(?:file|dir|stage|old)|[0-9a-f]{32}|\d+(?:-[0-9a-f]{8})?"
+                       r"(?:-stage|-old)?)-")
 
 
 def user_paths(text: str) -> str:

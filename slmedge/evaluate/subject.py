@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..export.formats import format_for_path, get_format
-from ..fsutil import memory_available, sha256_file
+from ..fsutil import memory_available, output_lock, sha256_file
 from ..models.artifact_format import is_artifact, manifest_path
 from ..models.source import load, resolve
 from ..paths import cache_dir
@@ -104,8 +104,10 @@ def _cached_export(folder: Path, fmt: str) -> Path:
     root = cache_dir() / "exports"
     root.mkdir(parents=True, exist_ok=True)
     out = root / export_format.output_name(f"{key}-{fmt}")
-    if not export_format.reusable(out):  # missing, half-written, or changed since written: write it again
-        export_format.write(folder, out, "auto", overwrite=True)
+    # Another evaluation writing the same entry now is waited for; its export is then reused.
+    with output_lock(out, wait=True):
+        if not export_format.reusable(out):  # missing, half-written, or changed since written: write it again
+            export_format.write(folder, out, "auto", overwrite=True)
     return out
 
 

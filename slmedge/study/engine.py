@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError, SlmedgeError
-from ..fsutil import disk_full
+from ..fsutil import disk_full, output_lock
 from ..models.artifact_format import is_artifact
 from .jobs import Job, build_jobs, study_workdir
 from .spec import Study
@@ -403,7 +403,16 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
     check_engine(engine, workers)
     wd = study_workdir(study, workdir)
     jobs = build_jobs(study, wd, data_dir)  # each identified by its settings and its inputs' content
-    wd.mkdir(parents=True, exist_ok=True)  # (after: a missing input leaves nothing behind)
+    # One run of a study's workdir at a time: a second is refused, naming the first (two runs would
+    # start the same jobs and record each other's failures over finished results).
+    with output_lock(wd, what=f"the study {study.name!r} (its workdir {wd})",
+                     advice="wait for that run to finish (a study runs once at a time in one workdir)"):
+        wd.mkdir(parents=True, exist_ok=True)  # (after: a missing input leaves nothing behind)
+        return _run_locked(study, store, engine, workers, address, wd, jobs, data_dir, progress, discard_artifacts)
+
+
+def _run_locked(study: Study, store, engine, workers, address, wd: Path, jobs: list[Job], data_dir, progress,
+                discard_artifacts: bool) -> dict:
     ss = StudyStore(store)
     changed = ss.changed_inputs(study.name, jobs)
     ss.register(study.name, jobs)

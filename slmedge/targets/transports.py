@@ -53,13 +53,19 @@ def runner_bundle() -> Path:
     digest = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(blobs.items())) + _MAIN.encode()).hexdigest()
     out = cache_dir() / "targets" / f"runner-{digest[:16]}.pyz"
     if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
-            z.writestr("__main__.py", _MAIN)
-            for name, data in sorted(blobs.items()):
-                z.writestr(name, data)
-        os.replace(tmp, out)
+        from ..fsutil import output_lock, temp_name
+
+        with output_lock(out, wait=True):
+            if not out.is_file():
+                tmp = temp_name(out, "file")
+                try:
+                    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+                        z.writestr("__main__.py", _MAIN)
+                        for name, data in sorted(blobs.items()):
+                            z.writestr(name, data)
+                    os.replace(tmp, out)
+                finally:
+                    tmp.unlink(missing_ok=True)
     return out
 
 
