@@ -13,6 +13,7 @@ import threading
 import numpy as np
 
 from ..errors import ConfigError, CorruptModelError, RuntimeNotInstalledError, SlmedgeError
+from ..procs import child_options
 from . import wire
 from .base import GenerationTiming, Runtime
 
@@ -35,7 +36,7 @@ class RunnerProcess:
         self.timeout = timeout
         self.describe_exit = describe_exit
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=env)
+                                     env=env, **child_options())
         self._err: list[bytes] = []
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()

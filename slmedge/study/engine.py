@@ -305,7 +305,13 @@ class _LocalPool:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
-        return ProcessPoolExecutor(max_workers=self.workers, mp_context=mp.get_context("spawn"))
+        from ..procs import die_with_parent
+
+        # Each worker dies with this process, however it ends (kill -9, the OOM killer, a CI timeout):
+        # a worker left behind holds a model's memory (and multiprocessing's resource tracker, which
+        # ends once no worker is left) for as long as its job takes.
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=mp.get_context("spawn"),
+                                   initializer=die_with_parent, initargs=(os.getpid(),))
 
     def submit(self, job: dict, threads, data_dir, needs_gpu: bool):
         if self.broken:
