@@ -132,6 +132,18 @@ def temp_name(dest: str | os.PathLike, kind: str = "file") -> Path:
     return dest.with_name(f"{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}-{kind}-{dest.name}")
 
 
+# A temporary name anywhere in a text (a message naming a file being written): what user_paths removes.
+_TMP_IN_TEXT = re.compile(r"\.slmedge-tmp-(?:\d+-[0-9a-f]{8}-(?:file|dir|stage|old)|[0-9a-f]{32}|\d+(?:-[0-9a-f]{8})?"
+                          r"(?:-stage|-old)?)-")
+
+
+def user_paths(text: str) -> str:
+    """``text`` with every temporary name slmedge writes under replaced by the name it becomes: a
+    message names the user's NAME, never ``.slmedge-tmp-<pid>-<hex8>-<kind>-NAME`` (nor earlier
+    versions' ``.slmedge-tmp-<uuid>-NAME``, ``.slmedge-tmp-<pid>[-<hex8>][-stage|-old]-NAME``)."""
+    return _TMP_IN_TEXT.sub("", text)
+
+
 def temp_of(entry_name: str) -> tuple[str, int | None, str] | None:
     """(the NAME it becomes, the PID that wrote it or None, its kind) of a temporary name slmedge wrote;
     None for any other name. Names of earlier versions read with kind "legacy"."""

@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import check_model, check_output_file, check_writable_place, console, errors_to_exit, progress_bar
+from .common import (check_model, check_output_file, check_writable_place, console, errors_to_exit, progress_bar,
+                     supervised)
 from .data import DATA_DIR_HELP
 
 
@@ -130,6 +131,7 @@ def evaluate_command(
     from ..evaluate.api import METRICS, EvalSettings, Evaluation
     from ..evaluate.store import ResultsStore
 
+    supervised("evaluate")  # a crash in a runtime: one line naming it and the file (common.supervised)
     with errors_to_exit():
         settings = EvalSettings(
             metrics=_split(metrics) or tuple(METRICS), langs=_split(langs) or (), wikitext=not no_wikitext,

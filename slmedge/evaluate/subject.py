@@ -283,6 +283,8 @@ def _described(source):
 
 
 def _torch_subject(spec, run, tokenizer, arch, hf_dir, base, identity, streamed: bool = False) -> Subject:
+    if run.path is None and hf_dir is not None:
+        run.path = Path(hf_dir)  # the folder its weights came from: what a crash report names
     params = sum(p.numel() for p in run.model.parameters())  # counted on the meta device too
     ident = dict(identity)
     if hf_dir is not None and is_artifact(hf_dir):
