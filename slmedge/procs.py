@@ -134,16 +134,16 @@ class native:  # noqa: N801 - used as a context manager, like contextlib's
         self.entry = (what, None if path is None else str(path))
 
     def __enter__(self):
+        same = bool(_native) and _native[-1] == self.entry
         _native.append(self.entry)
-        _publish()
+        if not same:  # a call inside a call of the same runtime on the same file (a decode step) says nothing new
+            _publish()
         return self
 
     def __exit__(self, *exc):
-        if _native and _native[-1] is self.entry:
-            _native.pop()
-        elif self.entry in _native:
-            _native.remove(self.entry)
-        _publish()
+        left = _native.pop() if _native else None
+        if not _native or _native[-1] != left:
+            _publish()
         return False
 
 

@@ -219,6 +219,16 @@ def _lse_numpy(x: np.ndarray) -> np.ndarray:
     return m[:, 0].astype(np.float64) + np.log(e.sum(-1, dtype=np.float64))
 
 
+# The base class's own calls (the scoring and decoding loops every runtime inherits) are marked too:
+# a generation's steps then run inside its mark, and each step's own mark costs a list push and pop.
+for _name in NATIVE_CALLS:
+    _fn = Runtime.__dict__.get(_name)
+    if callable(_fn) and not getattr(_fn, "__isabstractmethod__", False):
+        setattr(Runtime, _name, _marked(_fn))
+        getattr(Runtime, _name)._native_marked = True
+del _name, _fn
+
+
 def _token_scores(logits: np.ndarray, targets, in_torch: bool = False) -> tuple[np.ndarray, bool]:
     """(log softmax(logits)[i, targets[i]] per row in float64, every target the row's argmax)."""
     t = np.asarray(targets)
