@@ -240,3 +240,15 @@ def test_two_evaluations_share_one_cached_export(artifacts, tmp_path, session_ca
     a, b = (json.loads((tmp_path / n).read_text())["identity"]["path"] for n in ("a.json", "b.json"))
     assert a == b and Path(a).is_file()
     assert temp_names(cache / "exports") == []
+
+
+def test_two_evaluations_writing_one_json_file(exports, tmp_path):
+    """--json: the second evaluation naming the same file is refused when it starts, not left to
+    replace the first one's results when it ends (the results store takes both runs: it is shared)."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(" ".join(["The quick brown fox jumps over the lazy dog."] * 40))
+    out = tmp_path / "results.json"
+    args = ["evaluate", exports["llama.cpp"], "--metrics", "perplexity", "--langs", "", "--no-wikitext", "--corpus",
+            str(corpus), "--seqlen", "32", "--ppl-windows", "1", "--results-db", str(tmp_path / "db"), "--json", str(out)]
+    _two_writers(tmp_path, args, "slmedge.evaluate.api", "write_json_atomic", out, (f"--json {out}",))
+    assert json.loads(out.read_text())["metrics"]["perplexity"]
