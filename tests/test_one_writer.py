@@ -126,11 +126,10 @@ def test_only_what_dead_writers_left_is_removed(tmp_path):
 def _two_writers(tmp_path: Path, args: list[str], module: str, attr: str, out: Path, words: tuple[str, ...]):
     """The first writer held in its work; the second refused at once, naming it; the first finishes."""
     ready = tmp_path / "first-is-writing"
-    first = slmedge(args, tmp_path, held_at(module, attr, ready, seconds=20))
+    first = slmedge(args, tmp_path, held_at(module, attr, ready, seconds=30))
     try:
         wait_for(ready, first)
         writer = int(ready.read_text())
-        started = time.monotonic()
         second = subprocess.run([sys.executable, "-m", "slmedge", *args], cwd=tmp_path, capture_output=True,
                                 text=True, timeout=300)
         assert second.returncode == 1, second.stderr
@@ -140,7 +139,6 @@ def _two_writers(tmp_path: Path, args: list[str], module: str, attr: str, out: P
         for w in words:
             assert w in lines[0], lines[0]
         assert first.poll() is None, "the second writer should have been refused while the first wrote"
-        assert time.monotonic() - started < 20
         out_text, err = first.communicate(timeout=600)
         assert first.returncode == 0, err
     finally:
@@ -223,7 +221,7 @@ def test_two_evaluations_share_one_cached_export(artifacts, tmp_path, session_ca
     env = {**os.environ, "SLMEDGE_CACHE_DIR": str(cache)}
     ready = tmp_path / "first-is-writing"
     first = slmedge([*base, "--json", str(tmp_path / "a.json")], tmp_path,
-                    held_at("slmedge.export.gguf", "seal_gguf", ready, seconds=8), env=env)
+                    held_at("slmedge.export.gguf", "seal_gguf", ready, seconds=30), env=env)
     try:
         wait_for(ready, first)
         second = slmedge([*base, "--json", str(tmp_path / "b.json")], tmp_path,
