@@ -8,9 +8,10 @@ One writer per output: while ``NAME`` is written its writer holds an advisory lo
 ``.slmedge-lock-NAME`` beside it (``output_lock``), which the operating system releases however the
 process ends. A second writer of the same output is refused with the holder's PID and command, or
 waits (caches, where the second finds the first's result). Temporary names are
-``.slmedge-tmp-<pid>-<hex8>-<kind>-NAME``: whoever holds NAME's lock knows that every temporary
-name of NAME is a dead run's, and removes it; on taking a lock, the writer also removes what dead
-runs left for other names in the same folder (their locks free). Nothing else is ever removed.
+``.slmedge-tmp-<pid>-<hex8>-<kind>-NAME``: whoever holds NAME's lock knows that no one else writes
+NAME, and removes the temporary names of NAME whose PID is not alive; on taking a lock, the writer
+also removes what dead runs left for other names in the same folder (their locks free), and lock
+files no one holds. Nothing else is ever removed.
 """
 
 from __future__ import annotations
@@ -326,15 +327,30 @@ def remove_stale(folder: Path, own: str | None = None) -> list[str]:
     return removed
 
 
+# A temporary name without a PID (an earlier version's files) is removed only once this old: its
+# writer, which took no lock, finished or died long ago (a file is written in well under a minute).
+_PIDLESS_AGE_S = 600
+
+
 def _remove_temps(dest: Path, temps: list[tuple[str, int | None, str]]) -> list[str]:
-    """Remove ``dest``'s temporary names (its lock held). Names of earlier versions only when the
-    process that wrote them is gone (they were written without locks)."""
+    """Remove ``dest``'s temporary names, its lock held, where the process that wrote them is gone:
+    nobody holds the lock, and the PID in the name is not alive (another process's PID on this machine
+    keeps a name: an earlier version, which took no lock, may be writing it; a PID reused since
+    only delays the removal). A finished folder set aside by a kill (kind ``old``) is put back when
+    ``dest`` is missing. Returns the names removed."""
     removed = []
     olds = []
+    now = time.time()
     for entry, pid, kind in temps:
-        if kind == "legacy" and pid is not None and (pid == os.getpid() or _pid_alive(pid)):
-            continue
         path = dest.with_name(entry)
+        if pid is not None and pid != os.getpid() and _pid_alive(pid):
+            continue
+        if pid is None:
+            try:
+                if now - path.lstat().st_mtime < _PIDLESS_AGE_S:
+                    continue
+            except OSError:
+                continue
         if kind == "old" or (kind == "legacy" and "-old-" in entry):
             olds.append(path)
             continue
@@ -343,9 +359,11 @@ def _remove_temps(dest: Path, temps: list[tuple[str, int | None, str]]) -> list[
     olds.sort(key=lambda p: p.stat().st_mtime if p.exists() else 0, reverse=True)
     for i, path in enumerate(olds):
         if i == 0 and not dest.exists() and path.is_dir():
-            with contextlib.suppress(OSError):
+            try:
                 os.replace(path, dest)  # the finished output a kill had set aside: back in its place
-                continue
+            except OSError:
+                pass  # left as it is: never removed while it may be the only copy
+            continue
         _remove(path)
         removed.append(path.name)
     return removed
@@ -426,13 +444,18 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool, manifest: str | N
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (a zombie, dead but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True  # no /proc: what kill says
 
 
 @contextlib.contextmanager

@@ -83,21 +83,24 @@ def _dead_pid() -> int:
 
 
 def test_only_what_dead_writers_left_is_removed(tmp_path):
-    """Under an output's lock: every temporary name of that output goes (whoever wrote it, nobody is
-    writing it now); other outputs' temporary names go when their lock is free, stay while it is
-    held; names of earlier versions go only when their PID is gone; a folder a kill set aside while
-    replacing it is put back; nothing else is touched."""
-    dead, me = _dead_pid(), os.getpid()
+    """Under an output's lock, the temporary names of that output whose process is gone go (nobody is
+    writing it now); other outputs' temporary names go when their lock is free, stay while it is held;
+    a name whose PID is another live process stays (an earlier version, which took no lock, may be
+    writing it); a folder a kill set aside while replacing it is put back; nothing else is touched."""
+    dead = _dead_pid()
     held_other = _holder(tmp_path / "busy.gguf")
+    live = held_other.pid
     try:
         made = {
-            temp_name(tmp_path / "m.gguf", "file").name: "file",
+            temp_name(tmp_path / "m.gguf", "file").name: "file",  # this process's PID: not being written
             f".slmedge-tmp-{dead}-0123abcd-stage-m.gguf": "file",  # the GGUF writer's stage, earlier versions
             f".slmedge-tmp-{dead}-0123abcd-file-free.gguf": "file",  # another output, its lock free
             f".slmedge-tmp-{dead}-0123abcd-file-busy.gguf": "file",  # another output, being written
-            f".slmedge-tmp-{me}-stage-m.gguf": "file",  # an earlier version's name, its process alive
+            f".slmedge-tmp-{live}-stage-m.gguf": "file",  # an earlier version's name, its process alive
+            f".slmedge-tmp-{live}-0123abcd-file-m.gguf": "file",  # a live process's name
             f".slmedge-tmp-{dead}-0123abcd-old-art": "dir",  # a finished folder set aside, never put back
             f".slmedge-tmp-{dead}-0123abcd-dir-art": "dir",
+            f".slmedge-tmp-{'0' * 32}-new.json": "file",  # an earlier version's name without a PID, just written
             f"{LOCK_MARK}gone.gguf": "file",  # a lock file no one holds
             ".slmedge-tmp-notes": "file", "notes.txt": "file", ".hidden": "file", "x-m.gguf": "file",
         }
@@ -111,13 +114,19 @@ def test_only_what_dead_writers_left_is_removed(tmp_path):
             pass
         left = sorted(os.listdir(tmp_path))
         assert left == sorted([f".slmedge-tmp-{dead}-0123abcd-file-busy.gguf", f"{LOCK_MARK}busy.gguf",
-                               f".slmedge-tmp-{me}-stage-m.gguf", "art", ".slmedge-tmp-notes", "notes.txt",
+                               f".slmedge-tmp-{live}-stage-m.gguf", f".slmedge-tmp-{live}-0123abcd-file-m.gguf",
+                               f".slmedge-tmp-{'0' * 32}-new.json", "art", ".slmedge-tmp-notes", "notes.txt",
                                ".hidden", "x-m.gguf"]), left
         assert (tmp_path / "art" / "slmedge.json").is_file()  # the set-aside folder, back in its place
     finally:
         held_other.send_signal(signal.SIGKILL)
         held_other.wait()
-    assert remove_stale(tmp_path) == [f".slmedge-tmp-{dead}-0123abcd-file-busy.gguf"]
+    old = time.time() - 3600
+    os.utime(tmp_path / f".slmedge-tmp-{'0' * 32}-new.json", (old, old))
+    assert sorted(remove_stale(tmp_path)) == sorted([f".slmedge-tmp-{dead}-0123abcd-file-busy.gguf",
+                                                     f".slmedge-tmp-{live}-stage-m.gguf",
+                                                     f".slmedge-tmp-{live}-0123abcd-file-m.gguf",
+                                                     f".slmedge-tmp-{'0' * 32}-new.json"])
 
 
 # --- two writers of one output, on the command line -------------------------------------------------
