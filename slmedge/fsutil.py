@@ -203,11 +203,13 @@ def _acquire(lock: Path, wait: bool) -> int | None:
     """An fd holding ``lock`` exclusively; None when another process holds it (``wait=False``)."""
     import fcntl
 
-    while True:
+    for attempt in range(1000):
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except FileNotFoundError:  # its folder was removed by a writer that made it and failed
-            lock.parent.mkdir(parents=True, exist_ok=True)
+        except FileNotFoundError:
+            if lock.parent.is_dir():  # a folder that takes no new file (/proc): said by the caller
+                raise
+            lock.parent.mkdir(parents=True, exist_ok=True)  # removed by a writer that made it and failed
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -223,9 +225,10 @@ def _acquire(lock: Path, wait: bool) -> int | None:
             same = os.path.samestat(os.fstat(fd), os.stat(lock))
         except FileNotFoundError:
             same = False
-        if same:
+        if same or attempt == 999:  # (a file system whose inode numbers do not hold: the lock as taken)
             return fd
         os.close(fd)
+    raise OSError(errno.EAGAIN, "the lock file keeps changing", str(lock))
 
 
 def _release(fd: int, lock: Path) -> None:
@@ -256,9 +259,16 @@ def output_lock(dest: str | os.PathLike, wait: bool = False, what: str | None = 
     while not up.exists() and up != up.parent:
         made.append(up)
         up = up.parent
-    dest.parent.mkdir(parents=True, exist_ok=True)
     lock = _lock_file(dest)
-    fd = _acquire(lock, wait)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd = _acquire(lock, wait)
+    except OSError as exc:
+        _remove_made(made)
+        if dest.parent.exists() and not dest.parent.is_dir():
+            raise OutputError(f"cannot write {what or dest}: {dest.parent} is a file, not a folder") from exc
+        reason = "no space left on the device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc)).lower()
+        raise OutputError(f"cannot write {what or dest}: {dest.parent} does not take new files ({reason})") from exc
     if fd is None:
         _remove_made(made)
         raise OutputBusyError(f"{what or dest} is being written by another slmedge process ({_holder(lock)}); "
