@@ -18,8 +18,8 @@ from pathlib import Path
 
 from ..errors import ConfigError, brief
 from ..export.formats import format_for_path, get_format
-from ..fsutil import memory_available, sha256_file
-from ..models.artifact_format import is_artifact, manifest_path, read_manifest
+from ..fsutil import memory_available, output_lock, sha256_file
+from ..models.artifact_format import is_artifact, manifest_path
 from ..models.remote_code import refuse_code
 from ..models.source import load, resolve
 from ..paths import cache_dir
@@ -72,11 +72,21 @@ def base_spec_from_identity(base: dict | None) -> str | None:
     return None
 
 
-def _artifact_base(folder: Path) -> str | None:
+def _artifact_base(folder: Path, recorded: str | None = None) -> str | None:
+    """The base model an artifact's manifest names (the fidelity reference), taken from a manifest
+    that passes its seal (an unsealed one of a sealed format version is refused), and with
+    ``recorded`` (an export's ``source_manifest_sha256``) only from the very manifest the export was
+    written from: an artifact changed since names no base for it."""
+    from ..errors import ArtifactError
+    from ..models.artifact_format import check_manifest_seal, open_manifest_bytes
+
     try:
-        manifest = read_manifest(folder)
-    except (OSError, ValueError):
+        manifest, digest = open_manifest_bytes(folder, verify=False)
+    except (ArtifactError, OSError):
         return None
+    if recorded is not None and digest != recorded:
+        return None
+    check_manifest_seal(folder, manifest)
     return base_spec_from_identity(manifest.get("base_model"))
 
 
@@ -86,7 +96,7 @@ def _export_base(manifest: dict | None) -> str | None:
         return None
     src = manifest.get("source")
     if src and is_artifact(src):
-        return _artifact_base(Path(src))
+        return _artifact_base(Path(src), manifest.get("source_manifest_sha256"))
     return src if src and Path(src).exists() else None
 
 
@@ -101,8 +111,10 @@ def _cached_export(folder: Path, fmt: str) -> Path:
     root = cache_dir() / "exports"
     root.mkdir(parents=True, exist_ok=True)
     out = root / export_format.output_name(f"{key}-{fmt}")
-    if not export_format.reusable(out):  # missing, half-written, or changed since written: write it again
-        export_format.write(folder, out, "auto", overwrite=True)
+    # Another evaluation writing the same entry now is waited for; its export is then reused.
+    with output_lock(out, wait=True):
+        if not export_format.reusable(out):  # missing, half-written, or changed since written: write it again
+            export_format.write(folder, out, "auto", overwrite=True)
     return out
 
 
@@ -280,6 +292,8 @@ def _described(source):
 
 
 def _torch_subject(spec, run, tokenizer, arch, hf_dir, base, identity, streamed: bool = False) -> Subject:
+    if run.path is None and hf_dir is not None:
+        run.path = Path(hf_dir)  # the folder its weights came from: what a crash report names
     params = sum(p.numel() for p in run.model.parameters())  # counted on the meta device too
     ident = dict(identity)
     if hf_dir is not None and is_artifact(hf_dir):

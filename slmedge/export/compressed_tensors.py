@@ -56,7 +56,7 @@ from pathlib import Path
 
 from ..errors import RuntimeNotInstalledError
 from ..fsutil import atomic_directory, check_output_dir, sha256_file
-from ..models.artifact_format import QUANT_FILE, WEIGHTS_FILE, is_compact, manifest_path, safetensors_header
+from ..models.artifact_format import QUANT_FILE, WEIGHTS_FILE, is_compact, safetensors_header
 from .errors import ExportError, ExportVerificationError
 from .formats import get_format, register_format
 from .inspect import EXPORT_MANIFEST, _by_type, read_export_manifest, verified_export_manifest, write_export_manifest
@@ -624,7 +624,7 @@ def export_compressed_tensors(source, out_dir, ctype: str = "auto", exact: bool 
             "format": MANIFEST_FORMAT,
             "source": str(src.path),
             "source_kind": "artifact",
-            "source_manifest_sha256": sha256_file(manifest_path(src.path)),
+            "source_manifest_sha256": src.artifact.manifest_sha256,
             "model_type": src.model_type,
             "type": "+".join(kinds),
             "compressed_tensors": ct.__version__,

@@ -101,7 +101,11 @@ def verified_export_manifest(path, label: str) -> dict | None:
         return None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise ArtifactError(f"{folder / EXPORT_MANIFEST} is not an slmedge export manifest")
-    check_seal(manifest, folder / EXPORT_MANIFEST, ArtifactError)
+    # Every folder export's manifest was written sealed (ONNX since seals came, 9705866; the later
+    # formats from their start): an unsealed one had its seal removed. (The ONNX exports of the
+    # development builds of 2026-11-30 and -12-01 before that commit, never released, are refused too:
+    # nothing tells them from an edited one; export them again.)
+    check_seal(manifest, folder / EXPORT_MANIFEST, ArtifactError, required=True)
     for name, info in sorted(manifest["files"].items()):
         f = folder / name
         if not f.is_file():

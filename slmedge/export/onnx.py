@@ -37,7 +37,7 @@ import numpy as np
 from ..compress.quant import QuantSpec, pack_codes
 from ..errors import UnsupportedArchitectureError
 from ..fsutil import atomic_directory, check_output_dir, sealed, sha256_file, write_json_atomic
-from ..models.artifact_format import manifest_path
+from ..procs import native
 from .errors import ONNXExportError, ONNXVerificationError  # noqa: F401 - re-exported
 from .formats import get_format, register_format
 from .inspect import (EXPORT_MANIFEST, inspect_onnx, is_onnx_folder, onnx_model_facts, onnx_model_files, onnx_rows,
@@ -178,7 +178,7 @@ def ort_quantize_matmuls(model, bits: int, block_size: int, symmetric: bool, acc
                                           bits=bits)
     quant = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
                                  accuracy_level=accuracy_level, nodes_to_exclude=exclude or [], algo_config=config)
-    with warnings.catch_warnings(), _quiet_root_logger():
+    with warnings.catch_warnings(), _quiet_root_logger(), native("onnxruntime's quantizer", "the ONNX model being exported"):
         warnings.simplefilter("ignore")
         quant.process()
     return quant.model.model
@@ -456,7 +456,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
 
             plain = tmp / ".plain.onnx"
             _save(model, plain)
-            with warnings.catch_warnings(), _quiet_root_logger():
+            with warnings.catch_warnings(), _quiet_root_logger(), native("onnxruntime's quantizer", plain):
                 warnings.simplefilter("ignore")
                 quantize_dynamic(str(plain), str(final), weight_type=QuantType.QInt8, per_channel=True,
                                  use_external_data_format=plain.with_name(plain.name + "_data").exists())
@@ -486,7 +486,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
             "format": "slmedge-onnx-export",
             "source": str(src.path),
             "source_kind": "artifact" if src.artifact is not None else "hf_dir",
-            "source_manifest_sha256": sha256_file(manifest_path(src.path)) if src.artifact is not None else None,
+            "source_manifest_sha256": src.artifact.manifest_sha256 if src.artifact is not None else None,
             "model_type": src.model_type,
             "type": key,
             "exact": bool(has_codes and kept and kept == len(report_layers) and key in ("int4", "int8")),

@@ -25,7 +25,7 @@ import torch
 
 from ..backends.llamacpp import require_llama_cpp  # noqa: F401 - re-exported
 from ..errors import ModelLoadError, ModelNotFoundError, RuntimeNotInstalledError, SlmedgeError, brief
-from ..fsutil import atomic_directory, sha256_file, write_json_atomic
+from ..fsutil import atomic_directory, output_lock, sha256_file, temp_name, write_json_atomic
 from ..paths import cache_dir
 from .architectures import Architecture, architecture_for, exact_attention
 from .gguf_tokenizer import adds_bos
@@ -361,17 +361,20 @@ def _assembled_gguf(entry: EmbeddedModel) -> Path:
     dest = cache_dir() / "models" / entry.filename
     if dest.is_file():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{entry.filename}.{os.getpid()}.tmp")
     try:
-        importlib.import_module(entry.package).assemble(output_path=tmp, overwrite=True)
-        os.replace(tmp, dest)
+        with output_lock(dest, wait=True):  # one assembly at a time; the second finds the file
+            if dest.is_file():
+                return dest
+            tmp = temp_name(dest, "file")
+            try:
+                importlib.import_module(entry.package).assemble(output_path=tmp, overwrite=True)
+                os.replace(tmp, dest)
+            finally:
+                tmp.unlink(missing_ok=True)
     except OSError as exc:
         raise ModelLoadError(f"cannot assemble {entry.filename} from {entry.package} into {dest.parent}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - missing chunks, checksum mismatch
         raise ModelLoadError(f"the {entry.package} package is broken ({_first_line(exc)}); reinstall it: {entry.pip}") from exc
-    finally:
-        tmp.unlink(missing_ok=True)
     return dest
 
 
@@ -486,8 +489,6 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     The conversion (transformers' GGUF loader, dequantizing every tensor) takes minutes on a
     small CPU, so its result is kept in the cache, keyed by the file's sha256.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     gguf_path = Path(gguf_path)
     from .gguf_seal import check_gguf
 
@@ -500,6 +501,15 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     libraries = conversion_libraries()
     tag = "-".join(f"{name}{version}" for name, version in libraries.items())
     dest = cache_dir() / "models" / f"gguf-{digest[:16]}-4-{tag}"
+    # One conversion at a time per file: a second process waits, then finds the first one's folder.
+    with output_lock(dest, wait=True):
+        return _converted(gguf_path, dest, digest, verify, libraries)
+
+
+def _converted(gguf_path: Path, dest: Path, digest: str, verify: bool, libraries: dict) -> Path:
+    """``gguf_to_hf_dir`` with the cache folder's lock held."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     if (dest / SOURCE_FILE).is_file():
         if _cache_intact(dest):
             return dest
