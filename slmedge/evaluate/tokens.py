@@ -62,9 +62,7 @@ class HFEncoder(Encoder):
         added = set(self.tok.get_added_vocab()) if hasattr(self.tok, "get_added_vocab") else set()
         byte_level = _is_byte_level(self.tok)
         if byte_level:
-            from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
-
-            byte_of = {u: b for b, u in bytes_to_unicode().items()}
+            byte_of = {u: b for b, u in _bytes_to_unicode().items()}
         for piece, idx in vocab.items():
             if piece in special or piece in added:
                 n = 0 if piece in special else len(piece.encode("utf-8"))
@@ -77,6 +75,21 @@ class HFEncoder(Encoder):
             lengths[idx] = n
         self._lengths = lengths
         return lengths
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the printable character byte-level BPE vocabularies
+    spell it (printable Latin-1 bytes as themselves, the rest shifted past U+0100). transformers 5
+    no longer exports its copy from the GPT-2 tokenizer module."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(keep)
+    shift = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + shift)
+            shift += 1
+    return dict(zip(keep, map(chr, chars)))
 
 
 class LlamaCppEncoder(Encoder):

@@ -48,7 +48,7 @@ class StreamedModel:
         arch = ARCHITECTURES.get(getattr(config, "model_type", None))
         self.layers_path = arch.layers if arch is not None else "model.layers"
         self._reader = _reader_for(self.path)
-        with _default_dtype(torch.float32), _empty_init(cls):
+        with _default_dtype(torch.float32), _empty_init():
             model = cls(config)
         model.config._name_or_path = str(self.path)
         self.model = model.eval()
@@ -267,14 +267,13 @@ def _default_dtype(dtype):
 
 
 @contextmanager
-def _empty_init(cls):
-    """How from_pretrained builds a model before loading it: parameters on the meta device, no
-    weight initialisation, buffers computed for real."""
-    from contextlib import ExitStack
+def _empty_init():
+    """How from_pretrained builds a model before loading it: parameters on the meta device (their
+    initialisation then costs nothing), buffers computed for real (rotary frequencies). accelerate's
+    public context, not transformers' ``get_init_context``, whose signature changes between releases."""
+    from accelerate import init_empty_weights
 
-    with ExitStack() as stack:
-        for ctx in cls.get_init_context(False, False):
-            stack.enter_context(ctx)
+    with init_empty_weights(include_buffers=False):
         yield
 
 
