@@ -304,7 +304,7 @@ def load(
     if compact:
         model = _load_compact(hf_dir, dtype)
     else:
-        model = _load_weights(target, source, revision, trust_remote_code, dtype)
+        model = _load_weights(target, source, revision, trust_remote_code, dtype, config)
     tokenizer = _load_tokenizer(target, source, revision, trust_remote_code, getattr(config, "model_type", None))
     if source.kind == "hub":
         identity["revision"] = getattr(config, "_commit_hash", None) or revision
@@ -423,18 +423,39 @@ def _load_config(target, source, revision, trust_remote_code):
         raise ModelLoadError(f"cannot read the config of {target}: {_first_line(exc)}") from exc
 
 
-def _load_weights(target, source, revision, trust_remote_code, dtype):
+def decompress_at_load(config) -> dict:
+    """``from_pretrained``'s extra arguments for a checkpoint stored compressed in compressed-tensors'
+    format (slmedge's export, llm-compressor's checkpoints): decompressed to plain weights as it loads.
+    transformers 5 otherwise keeps the packed tensors until the whole model's first forward pass, and a
+    runtime that calls the decoder alone finds no ``weight``. ``dequantize`` is transformers 5.1x's
+    keyword, ``run_compressed=False`` the one before (deprecated since, still honoured); each release
+    ignores the other's."""
+    qc = getattr(config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if method != "compressed-tensors":
+        return {}
+    from transformers import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(run_compressed=False, dequantize=True)}
+
+
+def _load_weights(target, source, revision, trust_remote_code, dtype, config=None):
+    import warnings
+
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(
-            target,
-            revision=revision,
-            trust_remote_code=trust_remote_code,
-            dtype=dtype,
-            use_safetensors=True,
-            low_cpu_mem_usage=True,
-        )
+        with warnings.catch_warnings():  # the loading arguments above replace the checkpoint's: as meant
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+            return AutoModelForCausalLM.from_pretrained(
+                target,
+                revision=revision,
+                trust_remote_code=trust_remote_code,
+                dtype=dtype,
+                use_safetensors=True,
+                low_cpu_mem_usage=True,
+                **decompress_at_load(config),
+            )
     except OSError as exc:
         msg = _first_line(exc)
         if "safetensors" in msg.lower() and ("no file" in msg.lower() or "does not appear" in msg.lower()):
