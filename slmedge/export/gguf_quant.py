@@ -32,6 +32,7 @@ import numpy as np
 
 from ..compress.quant import QuantSpec
 from ..models.grids import GRIDS, Grid, grid_for_width
+from ..procs import native
 from .errors import GGUFExportError
 
 BLOCK = 32  # values per block along the input dimension, for every type written here
@@ -181,7 +182,7 @@ def llamacpp_quantize(src_path: Path, dst_path: Path, qtype: QType, n_threads: i
             overrides[i].type = int(gguf.GGMLQuantizationType[ggml])
         overrides[len(keep)].pattern = None
         params.tt_overrides = overrides
-    with quiet_native_stderr():
+    with quiet_native_stderr(), native("llama.cpp's quantizer", src_path):
         rc = llama_cpp.llama_model_quantize(str(src_path).encode(), str(dst_path).encode(), params)
     if rc != 0:
         raise GGUFExportError(f"llama.cpp's quantizer failed ({rc}) to write {qtype.name}")
