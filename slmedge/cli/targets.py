@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Column, Table
 
-from .common import console, errors_to_exit
+from .common import bounded, console, errors_to_exit
 
 targets_app = typer.Typer(help="Target profiles: list, show, check, setup.", no_args_is_help=True,
                           rich_markup_mode=None)
@@ -42,6 +42,7 @@ def list_command():
 
 
 @targets_app.command("show")
+@bounded(context="context")
 def show_command(name: str = typer.Argument(..., help="Target name or .toml file."),
                  model: Optional[str] = typer.Option(None, "--model", help="A .gguf/.onnx file: project its "
                                                      "decode and prefill rooflines on this target."),
@@ -104,6 +105,12 @@ def _projection(prof, model: str, context: int) -> dict:
     if fmt is None or get_format(fmt).model_facts is None:
         takes = " or ".join(f.suffix for f in FORMATS.values() if f.model_facts is not None and f.suffix)
         raise ConfigError(f"--model takes a model file ({takes}); {model} is not one")
+    from ..limits import check_length
+    from ..models.shape import path_shape
+
+    shape = path_shape(path)  # the context against the model's positions, before its facts are read
+    if shape is not None:
+        check_length("--context", context, shape.positions, shape.positions_from)
     facts = get_format(fmt).model_facts(path)
     params, integer = facts.get("params"), bool(facts.get("quantized"))
     # The KV cache in the element size of the runtime that runs this format (llama.cpp: f16).
