@@ -108,7 +108,8 @@ def test_a_json_copy_on_a_full_disk_leaves_the_evaluation_finished(small_disk, t
     out = disk / "r.json"
     result = runner.invoke(app, ["evaluate", str(tiny_models("llama")), "--metrics", "memory", "--context", "64",
                                  "--results-db", str(db), "--json", str(out)])
-    _one_line(result, out)
+    text = _one_line(result, out)
+    assert f"the evaluation finished and is recorded as run 1 in {db}" in text, text
     assert not out.exists() and _leftovers(disk) == []
     with sqlite3.connect(db) as con:
         runs = con.execute("SELECT status FROM runs").fetchall()

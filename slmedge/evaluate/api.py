@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .. import limits
-from ..errors import ConfigError, DataError, SlmedgeError, UnknownDataError
+from ..errors import ConfigError, DataError, DiskFullError, SlmedgeError, UnknownDataError
 from ..fsutil import SEAL_KEY, check_seal, sealed, sha256_file, write_json_atomic
 from ..data.files import data_files
 from ..registry import Registry
@@ -306,7 +306,13 @@ class Evaluation:
                 self._copy_error = None
                 self._save()
         if self._copy_error is not None:
-            raise self._copy_error
+            exc = self._copy_error
+            if isinstance(exc, DiskFullError) and self.run_id is not None and self.store is not None:
+                # the copy is lost, not the results: say where they are
+                where = f"the evaluation finished and is recorded as run {self.run_id} in {self.store.path}"
+                raise DiskFullError(str(exc).replace("nothing was written there", f"no JSON written; {where}"),
+                                    exc.path, exc.needed) from exc
+            raise exc
         return self.results
 
     @register_metric("perplexity")
