@@ -304,9 +304,9 @@ def load_study(path) -> Study:
         _fail(file, lines, ("seeds",), f"'seeds' must be a list of integers, got {seeds!r}")
     for s in seeds:
         _limit(file, lines, ("seeds",), "seed", s, "a seed")
-    name = data.get("name") or file.stem
+    study_name = data.get("name") or file.stem
     try:  # the default workdir is <cache>/studies/<name>: a name is never a path
-        check_plain_name(name, "the study's name" if "name" in data else f"the study's name (its file's, {file.name})")
+        check_plain_name(study_name, "the study's name" if "name" in data else f"the study's name (its file's, {file.name})")
     except ConfigError as exc:
         _fail(file, lines, ("name",), str(exc) + ("" if "name" in data else '; give it a name = "..."'))
     kinds = table_kinds()
@@ -413,7 +413,7 @@ def load_study(path) -> Study:
         except (ConfigError, TypeError) as exc:
             _fail(file, lines, (table,), f"[{table}]: {exc}")
     _check_bounds(data["models"], methods, exports, targets, ev, per_target, file, lines)
-    return Study(name=name, path=file, models=list(data["models"]), seeds=list(seeds),
+    return Study(name=study_name, path=file, models=list(data["models"]), seeds=list(seeds),
                  targets=list(targets), calibration=calib, evaluate=ev, methods=methods, exports=exports,
                  description=data.get("description", ""), workdir=data.get("workdir", ""), per_target=per_target,
                  same_as={t: v for t, v in same_as.items() if t in targets})
