@@ -129,14 +129,22 @@ class _RowRecorder:
 
 def _made(kind: str, spec: dict, out) -> bool:
     """Whether a compress or export job's output is on disk, whole (its last file is written last)
-    and unchanged since it was written (every file against the checksums its manifest records): a
-    corrupt or edited one is made again, by this run, rather than failing every job that reads it."""
+    and its files unchanged since they were written (against the checksums its manifest records): a
+    corrupt one (a damaged or missing file) is made again, by this run, rather than failing every job
+    that reads it. A manifest whose seal was removed or no longer matches is not replaced: it counts
+    as made, and every job that reads it refuses it with the seal's message (an edit is the user's to
+    undo, never silently overwritten)."""
     out = Path(out)
     if kind == "compress":
         if not is_artifact(out):
             return False
         from ..compress.artifact import Artifact
+        from ..models.artifact_format import check_manifest_seal, manifest_path
 
+        try:
+            check_manifest_seal(out, json.loads(manifest_path(out).read_text(encoding="utf-8")))
+        except (SlmedgeError, OSError, ValueError):
+            return True  # refused, with the seal's message, by the jobs that read it
         try:
             Artifact.open(out, verify=True)
         except (SlmedgeError, OSError, ValueError):
