@@ -33,16 +33,19 @@ from .evaluate.tasks import encode_pair, score_pairs
 @register_model("slmedge")
 class SlmedgeLM(LM):
     def __init__(self, model: str | None = None, runtime: str | None = None, threads: int | None = None,
-                 max_length: int = 2048, max_gen_toks: int = 256, **kwargs):
+                 max_length: int | None = None, max_gen_toks: int = 256, **kwargs):
         super().__init__()
+        # The ranges of slmedge.limits, and the lengths against the model's positions, before it opens.
+        shape = model_shape(model)
+        positions = shape.positions if shape is not None else None
+        if max_length is None:  # lm-eval's usual 2048, or the model's positions where it has fewer
+            max_length = min(DEFAULT_MAX_LENGTH, positions) if positions else DEFAULT_MAX_LENGTH
         self.max_length = _number("max_length", max_length, "context")
         self.max_gen_toks = _number("max_gen_toks", max_gen_toks, "tg")
         threads = _number("threads", threads, "threads") if threads else None
-        # The ranges of slmedge.limits, and the lengths against the model's positions, before it opens.
-        shape = model_shape(model)
         for name, value in (("max_length", self.max_length), ("max_gen_toks", self.max_gen_toks)):
             if shape is not None:
-                check_length(name, value, shape.positions, shape.positions_from)
+                check_length(name, value, positions, shape.positions_from)
         check_threads(threads, usable_cpus(), "threads", "this machine")
         self.sub = open_subject(model, runtime, threads, n_ctx=self.max_length + 8)
         self.rt, self.enc = self.sub.runtime, self.sub.encoder
@@ -98,6 +101,9 @@ class SlmedgeLM(LM):
                 return text[:cut]
             last, state = self.rt._step(token, state, len(ids) + i)
         return tok.decode(generated) if tok is not None else self.rt.llm.detokenize(generated).decode("utf-8", "ignore")
+
+
+DEFAULT_MAX_LENGTH = 2048  # lm-eval's own models' default
 
 
 def _number(name: str, value, key: str) -> int:

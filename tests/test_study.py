@@ -313,6 +313,10 @@ def test_report_has_the_tables_and_plots(local_store, tmp_path):
     res = runner.invoke(app, ["report", str(store.path), "--study", "tiny", "--format", "md", "-o", str(md)])
     assert res.exit_code == 0 and "| evaluation |" in md.read_text()
     assert len(list((tmp_path / "r_files").glob("*.png"))) >= 3
+    # Missing folders above -o are created, as compress and export create theirs (issue 41)
+    deep = tmp_path / "missing" / "dir" / "r.html"
+    res = runner.invoke(app, ["report", str(store.path), "--study", "tiny", "-o", str(deep)])
+    assert res.exit_code == 0 and "Caveats" in deep.read_text(), res.output
     res = runner.invoke(app, ["report", str(store.path), "--study", "nope", "-o", str(out)])
     one_line_error(res, "no finished evaluations of study 'nope'")
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
