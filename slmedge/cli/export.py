@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import (check_model, check_output_dir, check_output_file, console, err_console, errors_to_exit,
+from .common import (bounded, check_model, check_output_dir, check_output_file, console, err_console, errors_to_exit,
                      supervised)
 
 
@@ -47,6 +47,7 @@ def _print_export(report: dict, fmt) -> None:
     console.print(table)
 
 
+@bounded(threads="threads", block_size="export_block_size", accuracy_level="accuracy_level")
 def export_command(
     source: Optional[str] = typer.Argument(None, help="An slmedge artifact, HF folder, .gguf file, Hub id or embedded name (default smollm2-135m)."),
     fmt: str = typer.Option("gguf", "--format", "-f", help="gguf (llama.cpp), onnx (onnxruntime), onnxruntime-genai (an ONNX folder with genai_config.json) "
@@ -118,12 +119,17 @@ def _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level
                           what=target.what, example=target.output_name("model"),
                           ours_noun=f"a {target.label} file")
     else:
-        check_output_dir(out, option=option, overwrite=overwrite, inputs=inputs, what=target.what)
-        if overwrite and out.is_dir() and any(out.iterdir()) and not _ours(target, out):
-            entries = sorted(p.name for p in out.iterdir())
-            shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-            raise OutputExistsError(f"{option} {out} holds what slmedge did not write there ({shown}; no export "
-                                    "manifest); --overwrite only replaces slmedge's own outputs: choose another output")
+        check_output_dir(out, option=option, overwrite=True, inputs=inputs, what=target.what)
+        if out.is_dir() and any(out.iterdir()):
+            # What slmedge did not write there first: --overwrite is advised only where it would then work.
+            if not _ours(target, out):
+                entries = sorted(p.name for p in out.iterdir())
+                shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+                raise OutputExistsError(f"{option} {out} holds what slmedge did not write there ({shown}; no export "
+                                        "manifest); --overwrite only replaces slmedge's own outputs: choose another "
+                                        "output")
+            if not overwrite:
+                raise OutputExistsError(f"{option} {out} is not empty; pass --overwrite to replace it")
 
 
 def _ours(target, path: Path) -> bool:

@@ -20,13 +20,15 @@ from ..compress.artifact import Artifact
 from ..compress.recipe import Recipe
 from ..errors import ArtifactError
 from ..models.artifact_format import is_artifact, manifest_path
-from .common import check_output_file, console, errors_to_exit, progress_bar, supervised
+from .common import bounded, check_output_file, console, errors_to_exit, progress_bar, supervised
 from .data import DATA_DIR_HELP
 from .evaluate import flips_text
 
 MAIN_TASKS = ("arc_easy", "piqa", "winogrande", "hellaswag", "xcopa_th", "xcopa_zh")
 
 
+@bounded(bits="bits", group_size="group_size", nsamples="nsamples", seqlen="seqlen", windows="ppl_windows",
+         limit="limit")
 def run_command(
     model: Optional[str] = typer.Argument(None, help="Model source (default: the embedded smollm2-135m)."),
     method: str = typer.Option("awq", "--method", "-m", help="Compression method."),

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Column, Table
 
-from .common import console, errors_to_exit
+from .common import bounded, console, errors_to_exit
 
 targets_app = typer.Typer(help="Target profiles: list, show, check, setup.", no_args_is_help=True,
                           rich_markup_mode=None)
@@ -42,10 +42,13 @@ def list_command():
 
 
 @targets_app.command("show")
+@bounded(context="context")
 def show_command(name: str = typer.Argument(..., help="Target name or .toml file."),
                  model: Optional[str] = typer.Option(None, "--model", help="A .gguf/.onnx file: project its "
                                                      "decode and prefill rooflines on this target."),
-                 context: int = typer.Option(640, "--context", help="Tokens in the KV cache for the projection."),
+                 context: Optional[int] = typer.Option(None, "--context", help="Tokens in the KV cache for the "
+                                                       "projection (default: 640, or the model's positions where "
+                                                       "it has fewer)."),
                  as_json: bool = typer.Option(False, "--json", help="Print JSON."),
                  remeasure: bool = typer.Option(False, "--remeasure", help="cpu/cuda: measure bandwidth and "
                                                 "compute again (run it with the machine otherwise idle).")):
@@ -87,7 +90,11 @@ def show_command(name: str = typer.Argument(..., help="Target name or .toml file
         console.print(t)
 
 
-def _projection(prof, model: str, context: int) -> dict:
+# The projection's default context: llama-bench's 512 prompt tokens and 128 generated ones.
+DEFAULT_PROJECTION_CONTEXT = 640
+
+
+def _projection(prof, model: str, context: int | None) -> dict:
     from pathlib import Path
 
     from ..errors import ConfigError, ModelNotFoundError
@@ -104,6 +111,15 @@ def _projection(prof, model: str, context: int) -> dict:
     if fmt is None or get_format(fmt).model_facts is None:
         takes = " or ".join(f.suffix for f in FORMATS.values() if f.model_facts is not None and f.suffix)
         raise ConfigError(f"--model takes a model file ({takes}); {model} is not one")
+    from ..limits import check_length
+    from ..models.shape import path_shape
+
+    shape = path_shape(path)  # the context against the model's positions, before its facts are read
+    positions = shape.positions if shape is not None else None
+    if context is None:  # the default never asks more than the model has
+        context = min(DEFAULT_PROJECTION_CONTEXT, positions) if positions else DEFAULT_PROJECTION_CONTEXT
+    elif shape is not None:
+        check_length("--context", context, positions, shape.positions_from)
     facts = get_format(fmt).model_facts(path)
     params, integer = facts.get("params"), bool(facts.get("quantized"))
     # The KV cache in the element size of the runtime that runs this format (llama.cpp: f16).

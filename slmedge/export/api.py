@@ -48,12 +48,15 @@ def check_export_options(fmt: str, qtype: str = "auto", *, accuracy_level: int =
         target.check_type(qtype)
     except ExportError as exc:  # an unknown type is a bad setting, whichever format says so
         raise ConfigError(str(exc)) from None
-    if not 0 <= accuracy_level <= 4:  # MatMulNBits: 0 (unset), 1 fp32, 2 fp16, 3 bf16, 4 int8 activations
-        raise ConfigError(f"--accuracy-level must be 0..4, got {accuracy_level}")
-    if n_threads is not None and n_threads < 1:
-        raise ConfigError(f"--threads must be at least 1, got {n_threads}")
-    if "block_size" in target.options and (block_size < 16 or block_size & (block_size - 1)):
-        raise ConfigError(f"--block-size: the block size must be a power of two >= 16, got {block_size}")
+    from ..limits import check, check_threads, usable_cpus
+
+    check("accuracy_level", accuracy_level, "--accuracy-level")
+    check("threads", n_threads, "--threads", none=True)
+    check_threads(n_threads, usable_cpus(), "--threads", "this machine")  # quantizing and verifying run here
+    if "block_size" in target.options:
+        check("export_block_size", block_size, "--block-size")
+        if block_size & (block_size - 1):
+            raise ConfigError(f"--block-size: the block size must be a power of two >= 16, got {block_size}")
     return target
 
 

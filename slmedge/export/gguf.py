@@ -26,7 +26,7 @@ import numpy as np
 
 from ..compress.quant import QuantSpec
 from ..errors import OutputExistsError, UnsupportedArchitectureError
-from ..fsutil import temp_name
+from ..fsutil import disk_full, no_space, temp_name
 from ..models.architectures import ARCHITECTURES, Architecture, GGUFLayout
 from ..models.gguf_seal import check_gguf, placeholder_manifest, seal_gguf
 from .errors import ExportError, GGUFExportError, GGUFVerificationError
@@ -276,11 +276,12 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
     out = Path(out_path)
     if out.exists() and not out.is_file():
         raise OutputExistsError(f"{out} is a directory: a GGUF export is one file; give a path ending in .gguf")
-    if out.exists() and not overwrite:
-        raise OutputExistsError(f"{out} exists; pass --overwrite to replace it")
+    # What slmedge did not write is never replaced: --overwrite is advised only where it would work.
     if out.exists() and not _ours(out):
         raise OutputExistsError(f"{out} is not a GGUF file slmedge wrote (no slmedge.manifest in it); --overwrite only "
                                 "replaces slmedge's own outputs: choose another output")
+    if out.exists() and not overwrite:
+        raise OutputExistsError(f"{out} exists; pass --overwrite to replace it")
     if Path(source).exists() and Path(source).resolve() == out.resolve():
         raise OutputExistsError(f"output {out} is the input; choose another output")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -432,6 +433,11 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
             verification = verify_against_torch(tmp, src, TOLERANCES[kind], probe, n_threads,
                                                 tokenizer_copied=tok_info["source"].startswith("gguf:"))
         os.replace(tmp, out)
+    except Exception as exc:
+        if disk_full(exc):  # the tensors' bytes (the f32 stage file too when llama.cpp re-quantizes)
+            planned = sum(item.nbytes for item in plan)
+            raise no_space(out, planned * (2 if stage is not None else 1)) from exc
+        raise
     finally:
         for p in (tmp, stage):
             if p is not None:

@@ -701,8 +701,8 @@ def render_md(rows, title: str, out_path: Path, left: int = 0, overwrite: bool =
                     (tmp / name).write_bytes(png)
                 (tmp / FIG_MANIFEST).write_text(json.dumps({"files": names, "report": Path(out_path).name,
                                                             "version": __version__}) + "\n", encoding="utf-8")
-        except OSError as exc:
-            raise _write_error(figdir, exc) from exc
+        except (OSError, SlmedgeError) as exc:
+            raise _write_error(figdir, exc, sum(len(png) for _, png in figs)) from exc
         for name, (caption, _) in zip(names, figs):
             parts += [f"## {caption}\n", f"![{caption}]({figdir.name}/{name})", ""]
     return "\n".join(parts)
@@ -730,12 +730,12 @@ def check_output(out: Path, overwrite: bool, inputs=()) -> None:
         raise OutputExistsError(f"output {out} is a directory; give a file name for the report")
     refuse_replacing(out, overwrite, None, inputs)
     if out.exists() or out.is_symlink():
-        if not overwrite:
-            raise OutputExistsError(f"output {out} exists; pass --overwrite to replace it (only a report slmedge "
-                                    "wrote is replaced)")
+        # --overwrite is advised only where it would then work: never over a file that is not a report.
         if out.is_symlink() or not out.is_file() or not is_report(out):
             raise OutputExistsError(f"output {out} is not a report slmedge wrote; --overwrite only replaces "
                                     "slmedge's own reports: choose another output")
+        if not overwrite:
+            raise OutputExistsError(f"output {out} exists; pass --overwrite to replace it")
 
 
 def _check_figdir(figdir: Path, overwrite: bool) -> None:
@@ -753,11 +753,14 @@ def _check_figdir(figdir: Path, overwrite: bool) -> None:
                                 "choose another output")
 
 
-def _write_error(path: Path, exc: OSError) -> SlmedgeError:
-    from ..fsutil import disk_full
+def _write_error(path: Path, exc: OSError, needed: int | None = None) -> SlmedgeError:
+    from ..errors import DiskFullError
+    from ..fsutil import disk_full, no_space
 
+    if isinstance(exc, DiskFullError):
+        return exc
     if disk_full(exc):
-        return SlmedgeError(f"no space left on the device while writing {path}; nothing was written")
+        return no_space(path, needed)
     return SlmedgeError(f"cannot write {path}: {exc.strerror or type(exc).__name__}")
 
 
@@ -782,6 +785,6 @@ def write_report(store, out: Path, fmt: str = "html", study: str | None = None, 
     check_output(out, overwrite, inputs=(store.path,))  # again: something may have appeared meanwhile
     try:
         write_text_atomic(out, text)
-    except OSError as exc:  # named by the output, never by the temporary file beside it
-        raise _write_error(out, exc) from exc
+    except (OSError, SlmedgeError) as exc:  # named by the output, never by the temporary file beside it
+        raise _write_error(out, exc, len(text.encode("utf-8"))) from exc
     return {"rows": len(rows), "path": str(out), "left_out": left}
