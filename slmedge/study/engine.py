@@ -171,9 +171,9 @@ def _discard(path: str) -> int:
 
 def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) -> dict:
     """Do one job; returns what it made. Module-level, so process pools and Ray can call it."""
-    import warnings
+    from ..quiet import quiet_libraries
 
-    warnings.filterwarnings("ignore")
+    quiet_libraries(own_warnings=False)  # a worker's notes go into its results (everything under --debug)
     from . import levels
 
     t0 = time.perf_counter()
