@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
-from .common import check_model, check_output_file, check_writable_place, console, errors_to_exit, progress_bar
+from .common import Table, check_model, check_output_file, check_writable_place, console, errors_to_exit, progress_bar
 from .data import DATA_DIR_HELP
 
 

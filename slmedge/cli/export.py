@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
-from .common import check_model, check_output_dir, check_output_file, console, err_console, errors_to_exit
+from .common import Table, check_model, check_output_dir, check_output_file, console, err_console, errors_to_exit
 
 
 def _fmt_bytes(n: int | None) -> str:

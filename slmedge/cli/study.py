@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
-from .common import console, errors_to_exit
+from .common import Table, console, errors_to_exit
 from .data import DATA_DIR_HELP
 
 
