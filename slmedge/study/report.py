@@ -18,6 +18,7 @@ import io
 import json
 import math
 import sqlite3
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -306,7 +307,7 @@ def plots(rows: list[dict]) -> list[tuple[str, bytes]]:
                                alpha=0.8, s=28)
         ax.set_xlabel("bits per weight (quantized: codes + scales; pruned: 16 x density; exports: file)")
         ax.set_ylabel("perplexity (log scale)")
-        ax.set_yscale("log")
+        _log_y(ax, [_value(r, "perplexity", lang) for r in pts for lang in langs])
         ax.set_title("Perplexity against compression level: colour = family, marker = language", fontsize=9)
         from matplotlib.lines import Line2D
 
@@ -346,6 +347,19 @@ def _row_colour(i: int):
 
 # One marker per language (cycled when there are more languages than markers).
 _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "*", "h", "p", "d", "8"]
+
+
+def _log_y(ax, values) -> None:
+    """A log-scale y axis whose ticks read as plain numbers (20, 30, not 2 x 10^1); within a span
+    of less than 20x the in-between ticks are labelled too."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    v = [x for x in values if x is not None and x > 0]
+    ax.yaxis.set_minor_formatter(plain if v and max(v) / min(v) < 20 else NullFormatter())
+    ax.tick_params(axis="y", which="minor", labelsize=7)
 
 
 def _family_label(fam) -> str:
@@ -427,8 +441,11 @@ def pareto_plots(rows) -> list[tuple[str, bytes]]:
                     pts = [(x, y) for r, x, y in data if r.get("family") == fam]
                     ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=_colour(fam),
                                label=_family_label(fam))
-                for r, x, y in data:
-                    ax.annotate(_point_name(r), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+                xs = [x for _, x, _ in data]
+                for r, x, y in data:  # a name to the left of points in the right third: it stays inside
+                    right = len(data) > 1 and x > min(xs) + 2 * (max(xs) - min(xs)) / 3
+                    ax.annotate(_point_name(r), (x, y), fontsize=6, xytext=(-4 if right else 4, 3),
+                                textcoords="offset points", ha="right" if right else "left")
                 # A front needs points to trade off: none from one point; one point that beats all the
                 # others is ringed, not drawn as a line.
                 front = _pareto([(x, y) for _, x, y in data], x_low, q_low) if len(data) > 1 else []
@@ -438,9 +455,11 @@ def pareto_plots(rows) -> list[tuple[str, bytes]]:
                     ax.scatter([front[0][0]], [front[0][1]], s=160, facecolors="none", edgecolors="red",
                                label="beats every other point")
                 ax.set_xlabel(xlabel)
-                ax.set_ylabel(qlabel + (" (lower is better)" if q_low else " (higher is better)"))
+                ax.set_ylabel(textwrap.fill(qlabel + (" (lower is better)" if q_low else " (higher is better)"), 36),
+                              fontsize=9)
+                ax.margins(x=0.08, y=0.1)
                 if qkey == "ppl":
-                    ax.set_yscale("log")
+                    _log_y(ax, [y for _, _, y in data])
                 ax.set_title(f"{qlabel} against {xlabel.split(' (')[0]} — {target}" + (" (EMULATED)" if emulated else ""),
                              fontsize=9)
                 ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
