@@ -201,3 +201,25 @@ def test_the_results_page_is_what_its_command_makes_from_the_store(tmp_path):
 
 
 PLOTS_FOREIGN = "front.png"
+
+
+def test_the_command_lines_shown_that_read_nothing_of_yours_run(monkeypatch):
+    """The lines that need no model or file of the reader's (listing methods, targets, data, a
+    profile) are run as shown: exit 0."""
+    from typer.testing import CliRunner
+
+    from slmedge.cli import app
+
+    runnable = {"methods", "targets list", "targets show", "data", "data verify", "data path"}
+    tree = commands()
+    ran = set()
+    for page in _pages():
+        for line, command in command_lines(page.read_text(encoding="utf-8")):
+            words = command.split()[1:]
+            path = next((" ".join(words[:n]) for n in (2, 1) if " ".join(words[:n]) in tree), "")
+            if path not in runnable or "--model" in words or "--data-dir" in words or "--remeasure" in words:
+                continue
+            res = CliRunner().invoke(app, words)
+            assert res.exit_code == 0, (f"{page.relative_to(REPO)}:{line}", command, res.output[-1000:])
+            ran.add(path)
+    assert {"methods", "targets list", "data"} <= ran, ran
