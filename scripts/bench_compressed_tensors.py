@@ -6,24 +6,30 @@ act-order on both sides), the same C4 calibration token ids for both. Prints, pe
 bytes on disk by kind of tensor (packed codes, scales, zero points, dense tensors per dtype), and
 whether each loads in the other tool's reader, with the logits' agreement:
 
-- ours: ``slmedge compress`` then ``slmedge export --format compressed-tensors`` (compressed-tensors
-  0.14, transformers 4.57, slmedge's .venv);
+- ours: ``slmedge compress`` then ``slmedge export --format compressed-tensors`` (slmedge's .venv:
+  the compressed-tensors release it has, 0.17-0.20, and transformers 5);
 - theirs: llm-compressor's ``oneshot`` + ``save_pretrained(save_compressed=True)`` in its own
-  virtualenv (scripts/bench/llmc_env.sh: transformers 5.x, the compressed-tensors llmcompressor pins);
+  virtualenv (scripts/bench/llmc_env.sh: transformers 5.17, the compressed-tensors llmcompressor pins);
 - each checkpoint is loaded by ``AutoModelForCausalLM.from_pretrained`` in both environments and
-  its logits on the probe compared: ours against the artifact's own weights, theirs across readers.
+  its logits on the probe compared: ours against the artifact's own weights, theirs across readers;
+- both checkpoints are read by the compressed-tensors readers of vLLM 0.33 (0.17.0, transformers 5.20)
+  and llm-compressor 0.14 (0.19.0, transformers 5.17) in their own virtualenvs
+  (scripts/bench/ct_readers.sh, scripts/bench/ct_reader.py): ours must decode to the artifact's weights
+  bit for bit (transformers' fp32 load) and give its logits.
 
 The size of a checkpoint does not depend on how much calibration data chose its codes, so the
 calibration is small by default (16 x 256 tokens) to keep the run short on 2 cores.
 
     .venv/bin/python scripts/bench_compressed_tensors.py
     .venv/bin/python scripts/bench_compressed_tensors.py --nsamples 32 --seqlen 512 --keep .bench/ct
+    .venv/bin/python scripts/bench_compressed_tensors.py --no-peer   # ours, in every reader
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -101,6 +107,44 @@ def their_reader(peer_py: Path, folder: Path, ids_file: Path, work: Path, name: 
     return (np.load(out) if status["status"] == "ok" else None), status
 
 
+READER_VERSIONS = ("0.17.0", "0.19.0")  # vLLM 0.33's and llm-compressor 0.14's compressed-tensors
+
+
+def ct_readers(checkpoints: dict[str, Path], ids: list[int], work: Path) -> dict:
+    """Each checkpoint read by each compressed-tensors reader (scripts/bench/ct_reader.py in the reader's
+    virtualenv, made by scripts/bench/ct_readers.sh): version -> its results.json and output folder."""
+    subprocess.run(["bash", str(ROOT / "scripts" / "bench" / "ct_readers.sh")], check=True)
+    root = Path(os.environ.get("CT_READERS_DIR") or ROOT / ".bench" / "ct-readers")
+    runs = {}
+    for version in READER_VERSIONS:
+        out = work / f"read-{version}"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        (out / "jobs.json").write_text(json.dumps({"ids": ids, "checkpoints": {k: str(v) for k, v in checkpoints.items()}}))
+        t = time.perf_counter()
+        subprocess.run([str(root / f"ct-{version}" / "bin" / "python"), str(ROOT / "scripts" / "bench" / "ct_reader.py"),
+                        str(out / "jobs.json"), str(out)], check=True, env={**os.environ, "PYTHONPATH": ""},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        runs[version] = (json.loads((out / "results.json").read_text()), out, round(time.perf_counter() - t, 1))
+    return runs
+
+
+def weights_match(art: Path, decoded_file: Path, names) -> dict:
+    """How many of the artifact's compressed linears a reader decoded to the artifact's weights bit for bit."""
+    from safetensors import safe_open
+
+    from slmedge.models.artifact_weights import load_model
+
+    mine = load_model(art).state_dict()
+    equal, worst = 0, 0.0
+    with safe_open(str(decoded_file), framework="pt") as f:
+        for name in names:
+            got, want = f.get_tensor(f"{name}.weight"), mine[f"{name}.weight"]
+            equal += int(torch.equal(got, want))
+            worst = max(worst, float((got - want).abs().max()))
+    return {"linears": len(names), "bit_equal": equal, "max_abs_weight_diff": worst}
+
+
 def our_reader(folder: Path, ids: list[int]):
     try:
         model = load_checkpoint(folder)
@@ -116,6 +160,8 @@ def main() -> int:
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--no-peer", action="store_true", help="only our checkpoint")
+    ap.add_argument("--no-readers", action="store_true",
+                    help="skip the compressed-tensors 0.17.0 / 0.19.0 readers (scripts/bench/ct_readers.sh)")
     ap.add_argument("--keep", default=None, help="keep the checkpoints in this folder")
     ap.add_argument("--out", default=str(ROOT / ".bench" / "compressed_tensors_results.json"))
     args = ap.parse_args()
@@ -178,6 +224,23 @@ def main() -> int:
             results["theirs_in_our_reader"] = {**s3, **(compare(theirs_in_theirs, theirs_in_ours)
                                                         if theirs_in_ours is not None and theirs_in_theirs is not None
                                                         else {})}
+    if not args.no_readers:
+        checkpoints = {"ours": ours}
+        if peer_py is not None and (work / "llmc-ct" / "config.json").is_file():
+            checkpoints["theirs"] = work / "llmc-ct"
+        layers = sorted(json.loads((art / "slmedge.json").read_text())["layers"])
+        results["readers"] = {}
+        for version, (res, out, seconds) in ct_readers(checkpoints, ids, work).items():
+            entry = {"versions": res["versions"], "seconds": seconds, "checkpoints": res["checkpoints"]}
+            ours_read = res["checkpoints"]["ours"]
+            if ours_read["transformers"]["status"] == "ok":
+                entry["ours_weights"] = weights_match(art, out / "ours.transformers.safetensors", layers)
+                entry["ours_logits"] = compare(artifact_logits, np.load(out / "ours.logits.npy"))
+            if "theirs" in checkpoints and res["checkpoints"]["theirs"]["transformers"]["status"] == "ok" \
+                    and results.get("theirs_in_their_reader", {}).get("status") == "ok":
+                theirs_ref = np.load(work / "theirs_in_theirs.npy")
+                entry["theirs_logits_vs_llmc_env"] = compare(theirs_ref, np.load(out / "theirs.logits.npy"))
+            results["readers"][version] = entry
     ours_in_ours, s0 = our_reader(ours, ids)
     results["ours_in_our_reader"] = {**s0, **(compare(artifact_logits, ours_in_ours) if ours_in_ours is not None else {})}
 
@@ -187,10 +250,20 @@ def main() -> int:
     print(f"{'bytes':<22} {'slmedge':>14} {'llm-compressor':>15}")
     for k in kinds:
         a, b = results["ours_bytes"].get(k), results.get("theirs_bytes", {}).get(k)
-        print(f"{k:<22} {a if a is None else format(a, ','):>14} {b if b is None else format(b, ','):>15}")
+        print(f"{k:<22} {'-' if a is None else format(a, ','):>14} {'-' if b is None else format(b, ','):>15}")
     for key in ("ours_in_our_reader", "ours_in_their_reader", "theirs_in_our_reader", "theirs_in_their_reader"):
         if key in results:
             print(f"{key:<24} {json.dumps(results[key])}")
+    for version, entry in results.get("readers", {}).items():
+        v = entry["versions"]
+        print(f"reader compressed-tensors {v['compressed-tensors']} + transformers {v['transformers']} "
+              f"({entry['seconds']} s):")
+        for name, readings in entry["checkpoints"].items():
+            print(f"  {name:<7} " + ", ".join(f"{k} {r['status'] if r['status'] != 'error' else r['error'][:80]}"
+                                              for k, r in readings.items()))
+        for key in ("ours_weights", "ours_logits", "theirs_logits_vs_llmc_env"):
+            if key in entry:
+                print(f"  {key:<26} {json.dumps(entry[key])}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2, default=str))
     print(f"\nresults: {args.out}; checkpoints in {work}")

@@ -9,7 +9,7 @@ On SmolLM2-135M (the embedded default), printed side by side:
 2. GGUF from our GPTQ (W4 g32 sym -> Q4_0) and AWQ (W4 g32 asym -> Q4_1) codes against
    llama.cpp's own q4_0, q4_1 and q4_k_m of the same base: file size, WikiText-2 perplexity and
    mean KL against the f32 file in llama.cpp, decode tokens/s (median of repeats).
-3. int4 ONNX from our GPTQ and AWQ codes against optimum's export + onnxruntime's own int4
+3. int4 ONNX from our GPTQ and AWQ codes against the fp32 graph + onnxruntime's own int4
    quantizer (``MatMulNBitsQuantizer``, RTN, block 32), both with MatMulNBits accuracy level 4:
    size, perplexity, decode latency.
 
@@ -257,10 +257,10 @@ def main() -> int:
         import onnx
         import shutil
 
-        log("optimum export + onnxruntime MatMulNBitsQuantizer (RTN, block 32, symmetric)")
+        log("fp32 graph + onnxruntime MatMulNBitsQuantizer (RTN, block 32, symmetric)")
         stage = wd / "onnx-peer-stage"
         shutil.rmtree(stage, ignore_errors=True)
-        ox._optimum_export(hf_dir, stage, fp16=False)
+        export_onnx(hf_dir, stage, "fp32", overwrite=True, verify=False)
         model = onnx.load(str(stage / "model.onnx"))
         model = ox.ort_quantize_matmuls(model, 4, 32, True, 4)  # accuracy level 4, as ours
         peer_dir.mkdir(parents=True, exist_ok=True)
@@ -270,7 +270,7 @@ def main() -> int:
     if not (fp32_dir / "model.onnx").is_file():
         export_onnx(hf_dir, fp32_dir, "fp32", overwrite=True, verify=False)
     onnx_ref = None
-    for label, d in (("onnx fp32 (optimum)", fp32_dir), ("onnxruntime int4 RTN b32 (peer)", peer_dir),
+    for label, d in (("onnx fp32", fp32_dir), ("onnxruntime int4 RTN b32 (peer)", peer_dir),
                      ("ours GPTQ int4 (codes)", ours_dir), ("ours AWQ int4 (codes)", ours_awq_dir)):
         log(f"onnxruntime: {label}")
         dec = OrtDecoder(d, n_threads=args.threads)

@@ -9,7 +9,7 @@ child process; its peak RSS is the kernel's high-water mark of that process (ru_
 wait4, i.e. VmHWM), its time the wall clock.
 
 With ``--stages``: ``export_onnx`` runs in a child interpreter in which the export's steps
-(building the torch model, torch.onnx tracing, optimum's reload and post-processing, onnx.load,
+(building the stub model, torch.onnx tracing, onnx.load,
 placing codes, the head quantizer, saving, the verification's torch and onnxruntime halves) are
 wrapped; a thread samples VmRSS every 10 ms and charges each sample to the innermost running
 step. Printed per step: calls, wall seconds, RSS at entry and the largest RSS seen inside it (in
@@ -97,12 +97,9 @@ STEPS = [
     ("slmedge.export.onnx", "open_export_source", "open the artifact (checksums, codes)"),
     ("slmedge.compress.artifact", "Artifact.layers", "  read every linear's codes"),
     ("slmedge.export.onnx", "torch_model", "torch model (fp32, whole)"),
-    ("slmedge.export.onnx", "_build_stub_model", "stub model (no linear weights)"),
-    ("optimum.exporters.onnx.convert", "onnx_export_from_model", "optimum export (all)"),
+    ("slmedge.export.onnx_stub", "build_stub_model", "stub model (no linear weights)"),
+    ("slmedge.export.onnx_stub", "trace_decoder", "trace (all)"),
     ("torch.onnx", "export", "  torch.onnx.export (tracing + proto + write)"),
-    ("optimum.exporters.onnx.base", "OnnxConfig.fix_dynamic_axes", "  optimum fix_dynamic_axes (onnxruntime session)"),
-    ("onnxruntime", "InferenceSession.run", "    onnxruntime run"),
-    ("optimum.onnx", "remove_duplicate_weights_from_tied_info", "  optimum tied-weight dedupe (load + save)"),
     ("onnx", "load", "onnx.load"),
     ("onnx", "load_model", "onnx.load"),
     ("slmedge.export.onnx", "_load_weights", "artifact weights, fp32 (for the value check)"),
@@ -123,7 +120,7 @@ STEPS = [
 import slmedge.export.onnx  # noqa: E402
 for m, a, l in STEPS:
     wrap(m, a, l)
-# optimum imports torch.onnx.export inside the call; slmedge.export.onnx imports OrtDecoder inside too.
+# slmedge.export.onnx imports torch.onnx and OrtDecoder inside the call.
 from slmedge.export.onnx import export_onnx
 t0 = time.perf_counter()
 report = export_onnx(%(art)r, %(out)r, %(otype)r, overwrite=True)

@@ -9,17 +9,31 @@ a bad or missing input or an output location that cannot be used (every other er
 for an interrupt.
 """
 
+import re
+
+# A library's advice to install something that runs code from models (transformers: "Please install the latest
+# version with `pip install -U kernels`"; "pass trust_remote_code=True"): following it would run that code.
+_CODE_ADVICE = re.compile(r"[^.;]*(?:pip install[^.;]*\bkernels\b|kernels`? is either not installed|"
+                          r"trust_remote_code\s*=\s*True)[^.;]*[.;]?", re.IGNORECASE)
+
+
+def without_code_advice(text: str) -> str:
+    """``text`` without sentences advising to install a package that loads code from models, or to trust it."""
+    cleaned = _CODE_ADVICE.sub("", text).strip()
+    return cleaned if cleaned else "a library refused the model (its advice left out: it would run code from the model)"
+
 
 def brief(exc: BaseException, limit: int = 300) -> str:
     """A library's exception as one line for a message: its first line, and where that only announces
-    what follows (it ends with ':', as transformers 5's config validation errors do) the next line too."""
+    what follows (it ends with ':', as transformers 5's config validation errors do) the next line too;
+    without any advice to install a package that runs code from models, or to trust them."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     if not lines:
         return type(exc).__name__
     text = lines[0]
     if text.endswith(":") and len(lines) > 1:
         text = f"{text} {lines[1]}"
-    return text[:limit]
+    return without_code_advice(text)[:limit]
 
 
 class SlmedgeError(Exception):
@@ -40,6 +54,11 @@ class ModelNotFoundError(SlmedgeError):
 
 class ModelLoadError(SlmedgeError):
     """The model source exists but cannot be read (corrupt weights, bad config...)."""
+
+
+class RemoteCodeError(ModelLoadError):
+    """A model file names code to fetch or run (auto_map, a Hub kernel as the attention, trust_remote_code),
+    refused before any library reads it unless the user trusts it."""
 
 
 class UnsupportedArchitectureError(SlmedgeError):

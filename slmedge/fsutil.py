@@ -1,8 +1,17 @@
-"""Files written so that a reader never sees half of them.
+"""Files written so that a reader never sees half of them, one writer at a time.
 
 Everything slmedge writes where a finished result is expected goes through here: a file is
 written under a temporary name in the same folder and renamed; a directory is built under a
 hidden temporary name beside its destination and renamed when complete.
+
+One writer per output: while ``NAME`` is written its writer holds an advisory lock (``flock``) on
+``.slmedge-lock-NAME`` beside it (``output_lock``), which the operating system releases however the
+process ends. A second writer of the same output is refused with the holder's PID and command, or
+waits (caches, where the second finds the first's result). Temporary names are
+``.slmedge-tmp-<pid>-<hex8>-<kind>-NAME``: whoever holds NAME's lock knows that no one else writes
+NAME, and removes the temporary names of NAME whose PID is not alive; on taking a lock, the writer
+also removes what dead runs left for other names in the same folder (their locks free), and lock
+files no one holds. Nothing else is ever removed.
 """
 
 from __future__ import annotations
@@ -12,14 +21,28 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator
 
-from .errors import DataError, OutputExistsError, SlmedgeError
+from .errors import DataError, OutputError, OutputExistsError, SlmedgeError
 
 _TMP_MARK = ".slmedge-tmp-"
+LOCK_MARK = ".slmedge-lock-"
+TMP_KINDS = ("file", "dir", "stage", "old")  # what a temporary name holds (old: a replaced folder)
+_TMP = re.compile(r"\.slmedge-tmp-(?P<pid>\d+)-[0-9a-f]{8}-(?P<kind>file|dir|stage|old)-(?P<name>.+)", re.S)
+# Names written by slmedge before the kinds: "<uuid32>-NAME" (files), "<pid>-NAME" and "<pid>-old-NAME"
+# (folders), "<pid>-<hex8>-NAME" and "<pid>-<hex8>-stage-NAME" (GGUF). Removed only when their process
+# is gone (a NAME may parse two ways: each reading is a dead run's).
+_LEGACY = (re.compile(r"\.slmedge-tmp-[0-9a-f]{32}-(?P<name>.+)", re.S),
+           re.compile(r"\.slmedge-tmp-(?P<pid>\d+)-[0-9a-f]{8}-stage-(?P<name>.+)", re.S),
+           re.compile(r"\.slmedge-tmp-(?P<pid>\d+)-[0-9a-f]{8}-(?P<name>.+)", re.S),
+           re.compile(r"\.slmedge-tmp-(?P<pid>\d+)-old-(?P<name>.+)", re.S),
+           re.compile(r"\.slmedge-tmp-(?P<pid>\d+)-(?P<name>.+)", re.S))
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -65,10 +88,16 @@ def sealed(manifest: dict) -> dict:
     return {**{k: v for k, v in manifest.items() if k != SEAL_KEY}, SEAL_KEY: manifest_digest(manifest)}
 
 
-def check_seal(manifest: dict, where, error: type = SlmedgeError) -> None:
-    """Raise ``error`` when a sealed manifest's content no longer matches its seal. A manifest
-    without one (written before seals existed) passes: its files' checksums still hold."""
+def check_seal(manifest: dict, where, error: type = SlmedgeError, required: bool = False) -> None:
+    """Raise ``error`` when a sealed manifest's content no longer matches its seal, or (``required``:
+    the manifest is of a format slmedge has always written sealed) when it has no seal at all: a seal
+    that was removed, with whatever edit it covered. ``required=False`` is for the formats written
+    before seals existed (artifact format 1), whose files' checksums and quantization metadata still
+    hold."""
     recorded = manifest.get(SEAL_KEY) if isinstance(manifest, dict) else None
+    if recorded is None and required:
+        raise error(f"{where} has no {SEAL_KEY}, and slmedge writes every manifest of its kind sealed: its seal was "
+                    "removed, and any edit it covered cannot be seen; it cannot be trusted; write it again")
     if recorded is not None and recorded != manifest_digest(manifest):
         raise error(f"{where} was changed after slmedge wrote it (its content no longer matches its "
                     f"{SEAL_KEY}): it cannot be trusted; write it again")
@@ -79,17 +108,283 @@ def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` under a temporary name beside ``path``, then rename it into place."""
+    """Write ``text`` under a temporary name beside ``path``, then rename it into place (a writer of
+    the same path at the same time waits for this one)."""
     path = Path(path)
-    tmp = path.with_name(f"{_TMP_MARK}{uuid.uuid4().hex}-{path.name}")
+    with output_lock(path, wait=True):
+        tmp = temp_name(path, "file")
+        try:
+            with open(tmp, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def temp_name(dest: str | os.PathLike, kind: str = "file") -> Path:
+    """A temporary name beside ``dest`` that becomes it (``kind``: file, dir, stage, old); write under
+    it only while holding ``output_lock(dest)``, which is what lets the next writer remove it when this
+    run is killed."""
+    if kind not in TMP_KINDS:
+        raise ValueError(f"temporary kind must be one of {TMP_KINDS}, not {kind!r}")
+    dest = Path(dest)
+    return dest.with_name(f"{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}-{kind}-{dest.name}")
+
+
+# A temporary name anywhere in a text (a message naming a file being written): what user_paths removes.
+_TMP_IN_TEXT = re.compile(r"\.slmedge-tmp-(?:\d+-[0-9a-f]{8}-(?:file|dir|stage|old)|[0-9a-f]{32}|\d+(?:-[0-9a-f]{8})?"
+                          r"(?:-stage|-old)?)-")
+
+
+def user_paths(text: str) -> str:
+    """``text`` with every temporary name slmedge writes under replaced by the name it becomes: a
+    message names the user's NAME, never ``.slmedge-tmp-<pid>-<hex8>-<kind>-NAME`` (nor earlier
+    versions' ``.slmedge-tmp-<uuid>-NAME``, ``.slmedge-tmp-<pid>[-<hex8>][-stage|-old]-NAME``)."""
+    return _TMP_IN_TEXT.sub("", text)
+
+
+def temp_of(entry_name: str) -> tuple[str, int | None, str] | None:
+    """(the NAME it becomes, the PID that wrote it or None, its kind) of a temporary name slmedge wrote;
+    None for any other name. Names of earlier versions read with kind "legacy"."""
+    m = _TMP.fullmatch(entry_name)
+    if m:
+        return m["name"], int(m["pid"]), m["kind"]
+    for pattern in _LEGACY:
+        m = pattern.fullmatch(entry_name)
+        if m:
+            pid = m.groupdict().get("pid")
+            return m["name"], (int(pid) if pid else None), "legacy"
+    return None
+
+
+# --- one writer per output -------------------------------------------------------------------------
+
+
+class OutputBusyError(OutputError):
+    """Another process is writing the same output now."""
+
+
+_held: dict[str, list] = {}  # this process's locks: output path -> [fd, depth, lock file, folders made]
+
+
+def _lock_file(dest: Path) -> Path:
+    return dest.with_name(LOCK_MARK + dest.name)
+
+
+def _holder_text() -> bytes:
+    import shlex
+    import socket
+
+    argv = list(sys.argv) or ["python"]
+    # The command line however it was started (the console script, python -m, -c): "slmedge ...".
+    argv[0] = "slmedge" if "slmedge.cli" in sys.modules else (Path(argv[0]).name or argv[0])
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": shlex.join(argv)[:300],
+                       "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
+
+
+def _holder(lock: Path) -> str:
+    """Who holds ``lock``, as its holder wrote it down: 'PID 123: slmedge export ...' (or less)."""
+    import socket
+
     try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        info = json.loads(lock.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "its PID is not recorded yet"
+    if not isinstance(info, dict):
+        return "its PID is not recorded"
+    host = info.get("host")
+    where = f" on {host}" if host and host != socket.gethostname() else ""
+    return f"PID {info.get('pid')}{where}, since {info.get('since')}: {info.get('command')}"
+
+
+def _acquire(lock: Path, wait: bool) -> int | None:
+    """An fd holding ``lock`` exclusively; None when another process holds it (``wait=False``)."""
+    import fcntl
+
+    for attempt in range(1000):
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            if lock.parent.is_dir():  # a folder that takes no new file (/proc): said by the caller
+                raise
+            lock.parent.mkdir(parents=True, exist_ok=True)  # removed by a writer that made it and failed
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        # The holder before us removes the file as it lets go: a lock taken on a file no longer at
+        # this name locks nothing; take it again.
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(lock))
+        except FileNotFoundError:
+            same = False
+        if same or attempt == 999:  # (a file system whose inode numbers do not hold: the lock as taken)
+            return fd
+        os.close(fd)
+    raise OSError(errno.EAGAIN, "the lock file keeps changing", str(lock))
+
+
+def _release(fd: int, lock: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(lock)  # still holding it: the next writer finds no file, or a new one
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def output_lock(dest: str | os.PathLike, wait: bool = False, what: str | None = None,
+                advice: str = "wait for it to finish, or choose another output") -> Iterator[Path]:
+    """Hold ``dest``'s lock while it is written (re-entrant within a process): an advisory lock on
+    ``.slmedge-lock-NAME`` beside it, which the OS releases if this process dies. Another process
+    holding it: ``wait``, or raise OutputBusyError naming that process (``what``: how the message names
+    the output). Missing folders above ``dest`` are created, and removed again when nothing was written
+    in them. Once held, what killed runs left beside ``dest`` is removed (``remove_stale``)."""
+    dest = Path(os.path.realpath(dest))  # one key per file, however it is named (a nested writer re-enters)
+    key = str(dest)
+    if key in _held:
+        _held[key][1] += 1
+        try:
+            yield dest
+        finally:
+            _held[key][1] -= 1
+        return
+    made = []
+    up = dest.parent
+    while not up.exists() and up != up.parent:
+        made.append(up)
+        up = up.parent
+    lock = _lock_file(dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd = _acquire(lock, wait)
+    except OSError as exc:
+        _remove_made(made)
+        if dest.parent.exists() and not dest.parent.is_dir():
+            raise OutputError(f"cannot write {what or dest}: {dest.parent} is a file, not a folder") from exc
+        reason = "no space left on the device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc)).lower()
+        raise OutputError(f"cannot write {what or dest}: {dest.parent} does not take new files ({reason})") from exc
+    if fd is None:
+        _remove_made(made)
+        raise OutputBusyError(f"{what or dest} is being written by another slmedge process ({_holder(lock)}); "
+                              f"{advice}")
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, _holder_text(), 0)
+    except OSError:
+        pass  # the lock holds without the note (a full disk): the message then names no PID
+    _held[key] = [fd, 1, lock, made]
+    try:
+        remove_stale(dest.parent, own=dest.name)
+        yield dest
     finally:
-        tmp.unlink(missing_ok=True)
+        del _held[key]
+        _release(fd, lock)
+        _remove_made(made)
+
+
+def _remove_made(made: list[Path]) -> None:
+    for folder in made:  # deepest first; one that holds anything stays
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
+def remove_stale(folder: Path, own: str | None = None) -> list[str]:
+    """Remove what killed slmedge runs left in ``folder``: the temporary names of every output whose
+    lock no one holds (``own``: the NAME this process holds the lock of), and lock files no one
+    holds. A replaced folder kept aside (kind ``old``) whose output is missing is put back instead (a
+    run killed between the two renames of ``atomic_directory``). Returns the names removed."""
+    removed: list[str] = []
+    try:
+        entries = [e for e in os.listdir(folder) if e.startswith((_TMP_MARK, LOCK_MARK))]
+    except OSError:
+        return removed
+    temps: dict[str, list[tuple[str, int | None, str]]] = {}
+    names = set()
+    for e in entries:
+        if e.startswith(LOCK_MARK):
+            names.add(e[len(LOCK_MARK):])
+            continue
+        found = temp_of(e)
+        if found is not None:
+            temps.setdefault(found[0], []).append((e, found[1], found[2]))
+            names.add(found[0])
+    for name in sorted(names):
+        dest = Path(folder) / name
+        if name == own:
+            removed += _remove_temps(dest, temps.get(name, []))
+            continue
+        if os.path.realpath(dest) in _held:
+            continue  # this process writes it now
+        lock = _lock_file(dest)
+        try:
+            fd = _acquire(lock, wait=False)
+        except OSError:
+            continue  # a folder that takes no lock file (read-only): nothing can be removed either
+        if fd is None:
+            continue  # being written now
+        try:
+            removed += _remove_temps(dest, temps.get(name, []))
+        finally:
+            _release(fd, lock)
+    return removed
+
+
+# A temporary name without a PID (an earlier version's files) is removed only once this old: its
+# writer, which took no lock, finished or died long ago (a file is written in well under a minute).
+_PIDLESS_AGE_S = 600
+
+
+def _remove_temps(dest: Path, temps: list[tuple[str, int | None, str]]) -> list[str]:
+    """Remove ``dest``'s temporary names, its lock held, where the process that wrote them is gone:
+    nobody holds the lock, and the PID in the name is not alive (another process's PID on this machine
+    keeps a name: an earlier version, which took no lock, may be writing it; a PID reused since
+    only delays the removal). A finished folder set aside by a kill (kind ``old``) is put back when
+    ``dest`` is missing. Returns the names removed."""
+    removed = []
+    olds = []
+    now = time.time()
+    for entry, pid, kind in temps:
+        path = dest.with_name(entry)
+        if pid is not None and pid != os.getpid() and _pid_alive(pid):
+            continue
+        if pid is None:
+            try:
+                if now - path.lstat().st_mtime < _PIDLESS_AGE_S:
+                    continue
+            except OSError:
+                continue
+        if kind == "old" or (kind == "legacy" and "-old-" in entry):
+            olds.append(path)
+            continue
+        _remove(path)
+        removed.append(entry)
+    olds.sort(key=lambda p: p.stat().st_mtime if p.exists() else 0, reverse=True)
+    for i, path in enumerate(olds):
+        if i == 0 and not dest.exists() and path.is_dir():
+            try:
+                os.replace(path, dest)  # the finished output a kill had set aside: back in its place
+            except OSError:
+                pass  # left as it is: never removed while it may be the only copy
+            continue
+        _remove(path)
+        removed.append(path.name)
+    return removed
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def disk_full(exc: BaseException | None) -> bool:
@@ -159,24 +454,18 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool, manifest: str | N
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (a zombie, dead but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
-
-
-def _remove_stale(parent: Path, name: str) -> None:
-    """Remove temporary directories of earlier runs for ``name`` whose process is gone."""
-    for entry in parent.glob(f"{_TMP_MARK}*-{name}"):
-        try:
-            pid = int(entry.name[len(_TMP_MARK):].split("-", 1)[0])
-        except ValueError:
-            continue
-        if not _pid_alive(pid):
-            shutil.rmtree(entry, ignore_errors=True)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True  # no /proc: what kill says
 
 
 @contextlib.contextmanager
@@ -185,35 +474,34 @@ def atomic_directory(dest: str | os.PathLike, overwrite: bool = False, manifest:
     With ``manifest``, an existing ``dest`` is replaced only if everything in it is what slmedge
     wrote there (that manifest lists it).
 
+    ``dest``'s lock is held throughout (``output_lock``; a writer that took it first, to refuse a
+    second writer before any work, keeps it; otherwise another writer of ``dest`` is waited for).
     On any exception (KeyboardInterrupt included) the temporary directory is removed and
     ``dest`` is left exactly as it was. A run killed outright leaves only a hidden
-    ``.slmedge-tmp-*`` directory, which the next run cleans up.
+    ``.slmedge-tmp-*`` directory, which the next run that writes there removes.
     """
     dest = Path(dest).resolve()
-    parent = dest.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(parent, dest.name)
-    tmp = parent / f"{_TMP_MARK}{os.getpid()}-{dest.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        if dest.exists():
-            refuse_replacing(dest, overwrite, manifest)
-            old = parent / f"{_TMP_MARK}{os.getpid()}-old-{dest.name}"
-            os.replace(dest, old) if dest.is_dir() else dest.unlink()
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
-    except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if disk_full(exc):
-            raise SlmedgeError(f"no space left on the device while writing {dest}; nothing was written") from exc
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with output_lock(dest, wait=True):
+        tmp = temp_name(dest, "dir")
+        tmp.mkdir()
+        try:
+            yield tmp
+            if dest.exists():
+                refuse_replacing(dest, overwrite, manifest)
+                old = temp_name(dest, "old")
+                os.replace(dest, old) if dest.is_dir() else dest.unlink()
+                os.replace(tmp, dest)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, dest)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if disk_full(exc):
+                raise SlmedgeError(f"no space left on the device while writing {dest}; nothing was written") from exc
+            raise
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def proc_kib_field(path: str, key: str) -> int | None:

@@ -75,8 +75,9 @@ def _edit(path: Path, change) -> None:
 @pytest.mark.parametrize("change,words", [
     (lambda m: m["layers"][next(iter(m["layers"]))].update(bits=8), "was changed after slmedge wrote it"),
     (lambda m: m["recipe"].update(bits=8), "was changed after slmedge wrote it"),
-    # Written before manifests were sealed: the quantization file's own record still shows the edit.
-    (lambda m: (m.pop(SEAL_KEY), m["layers"][next(iter(m["layers"]))].update(bits=8)), "disagrees with"),
+    # A format-2 manifest is always written sealed: without its seal it is refused, whatever else changed
+    # (tests/test_seals.py: everywhere; an unsealed version-1 manifest's edit still shows there).
+    (lambda m: (m.pop(SEAL_KEY), m["layers"][next(iter(m["layers"]))].update(bits=8)), f"has no {SEAL_KEY}"),
 ])
 def test_an_edited_artifact_manifest_is_refused_everywhere(change, words, artifacts, tmp_path, corpus):
     art = tmp_path / "art"

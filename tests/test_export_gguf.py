@@ -288,6 +288,11 @@ def test_failed_verification_leaves_no_file(tiny_models, tmp_path, monkeypatch):
     out = tmp_path / "out" / "m.gguf"
     with pytest.raises(GGUFVerificationError):
         export_gguf(tiny_models("llama"), out, qtype="f32")
+    # Nothing is left, not even the folder the export made for its output (fsutil.output_lock)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "out").mkdir()  # a folder that was there stays, empty
+    with pytest.raises(GGUFVerificationError):
+        export_gguf(tiny_models("llama"), out, qtype="f32")
     assert list((tmp_path / "out").iterdir()) == []
 
 

@@ -66,7 +66,7 @@ def decode_matmulnbits(model, node_name_prefix: str) -> np.ndarray:
 def test_fp32_onnx_gives_torch_logits_for_every_architecture(model_type, tiny_models, tmp_path):
     src = tiny_models(model_type)
     report = export_onnx(src, tmp_path / "onnx", "fp32")
-    assert report["type"] == "fp32" and report["verification"]["mean_kl"] < 1e-9
+    assert report["type"] == "fp32" and report["verification"]["mean_kl"] < 1e-7  # float rounding (gemma2: 4.7e-8)
     dec = OrtDecoder(tmp_path / "onnx")
     ref = torch_logits(src)
     assert np.abs(dec.logits(IDS) - ref).max() < 1e-4
@@ -78,16 +78,20 @@ def test_fp32_onnx_gives_torch_logits_for_every_architecture(model_type, tiny_mo
     assert (tmp_path / "onnx" / "tokenizer.json").is_file() and (tmp_path / "onnx" / "config.json").is_file()
 
 
-def test_optimum_loads_and_generates_like_torch(tiny_models, tmp_path):
-    from optimum.onnxruntime import ORTModelForCausalLM
-
+def test_greedy_decoding_through_the_kv_cache_generates_what_torch_generates(tiny_models, tmp_path):
+    """The export's KV cache path, step by step as a generation loop uses it, picks torch's tokens."""
     src = tiny_models("qwen2")
     export_onnx(src, tmp_path / "onnx", "fp32")
     ids = torch.tensor([IDS[:6]])
-    ort_model = ORTModelForCausalLM.from_pretrained(tmp_path / "onnx")
     torch_model = AutoModelForCausalLM.from_pretrained(src).eval()
-    kw = dict(max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(ids))
-    assert ort_model.generate(ids, **kw).tolist() == torch_model.generate(ids, **kw).tolist()
+    want = torch_model.generate(ids, max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(ids))[0].tolist()
+    dec = OrtDecoder(tmp_path / "onnx")
+    seq = list(IDS[:6])
+    logits, past = dec.run(np.asarray([seq]))
+    for _ in range(10):
+        seq.append(int(logits[0, -1].argmax()))
+        logits, past = dec.run(np.asarray([[seq[-1]]]), past, past_len=len(seq) - 1)
+    assert seq == want
 
 
 def test_fp16(tiny_models, tmp_path):
@@ -280,30 +284,30 @@ def test_runner_refuses_an_onnx_file_without_kv_cache(tmp_path):
 
 
 def test_the_traced_model_holds_no_linear_weight_and_no_full_model_is_built(artifacts, tmp_path, monkeypatch):
-    """optimum traces a model whose linears are stubs (no weight); neither the artifact's nor an HF
-    model is ever loaded whole for the export itself (verification aside)."""
-    import optimum.exporters.onnx.convert as convert
+    """The traced model's linears are stubs (no weight); neither the artifact's nor an HF model is ever
+    loaded whole for the export itself (verification aside)."""
     import transformers
 
+    from slmedge.export import onnx_stub
     from slmedge.models import artifact_weights
 
     art = artifacts("qwen2", "gptq", bits=4, group_size=32, symmetric=True)
     seen = {}
-    real = convert.onnx_export_from_model
+    real = onnx_stub.trace_decoder
 
-    def spy(*a, model, **k):
+    def spy(model, *a, **k):
         params = dict(model.named_parameters())
         seen["linear_weights"] = [n for n, m in model.named_modules()
                                   if isinstance(m, torch.nn.Linear) or getattr(m, "weight", None) is not None
                                   and m.weight.dim() == 2 and m is not model.get_input_embeddings()]
         seen["numel"] = sum(p.numel() for p in params.values())
         seen["meta"] = [n for n, p in params.items() if p.is_meta]
-        return real(*a, model=model, **k)
+        return real(model, *a, **k)
 
     def refuse(*a, **k):
         raise AssertionError("the whole model was built")
 
-    monkeypatch.setattr(convert, "onnx_export_from_model", spy)
+    monkeypatch.setattr(onnx_stub, "trace_decoder", spy)
     monkeypatch.setattr(artifact_weights, "load_model", refuse)
     monkeypatch.setattr(artifact_weights, "state_dict", refuse)
     monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(lambda cls, *a, **k: refuse()))
@@ -328,7 +332,7 @@ import json, sys
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
-import numpy, torch, onnx, onnxruntime, optimum.exporters.onnx, transformers  # noqa: E401
+import numpy, torch, onnx, onnxruntime, transformers  # noqa: E401
 from slmedge.export.onnx import export_onnx
 export_onnx(sys.argv[3], sys.argv[2] + "-warm", "int4", verify=False)  # lazy imports, first-use caches
 with open("/proc/self/clear_refs", "w") as f:

@@ -12,6 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from slmedge.models.architectures import exact_attention
+
 from conftest import small_recipe
 from slmedge.compress.api import compress
 from slmedge.compress.artifact import Artifact
@@ -58,7 +60,7 @@ def outside_numel(sm):
 def test_streamed_logits_equal_the_whole_models_for_every_architecture(model_type, tiny_models):
     src = tiny_models(model_type)
     x = ids()
-    ref = full_logits(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(), x)
+    ref = full_logits(exact_attention(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)).eval(), x)
     sm, seen, real = watched(src)
     assert sm.materialized_blocks() == []  # built: nothing of any block is in memory
     got = sm(x)
@@ -67,7 +69,7 @@ def test_streamed_logits_equal_the_whole_models_for_every_architecture(model_typ
     assert seen == list(range(len(sm.blocks)))  # each block once, in order
     assert real == [outside_numel(sm) + block_numel(sm, i) for i in seen]
     assert sm.materialized_blocks() == []  # every block freed after the pass
-    assert torch.equal(sm(x[:1, :7]), full_logits(AutoModelForCausalLM.from_pretrained(src).eval(), x[:1, :7]))
+    assert torch.equal(sm(x[:1, :7]), full_logits(exact_attention(AutoModelForCausalLM.from_pretrained(src)).eval(), x[:1, :7]))
 
 
 @pytest.mark.parametrize("model_type", TINY_TYPES)
@@ -101,12 +103,12 @@ def test_a_sharded_bf16_folder_and_a_missing_tensor(tiny_models, tmp_path):
     from safetensors.torch import load_file, save_file
 
     src = tiny_models("qwen2")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    model = exact_attention(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16))
     folder = tmp_path / "sharded"
     model.save_pretrained(folder, max_shard_size="40KB")
     assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 2
     x = ids(seed=3)
-    ref = full_logits(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), x)
+    ref = full_logits(exact_attention(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)).eval(), x)
     assert torch.equal(streamed_logits(folder, x), ref)
     # a block tensor the model needs and the files lack is refused by name, not left random
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -130,7 +132,7 @@ def test_export_verification_uses_the_streamed_pass(tiny_models, monkeypatch):
     src = tiny_models("llama")
     probe = [1, 5, 9, 200, 17, 33]
     with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(src).eval()(torch.tensor([probe])).logits[0].numpy()
+        ref = exact_attention(AutoModelForCausalLM.from_pretrained(src)).eval()(torch.tensor([probe])).logits[0].numpy()
 
     def refuse(*a, **k):
         raise AssertionError("the whole model was loaded")
@@ -239,7 +241,7 @@ def test_torch_runtime_streamed_scores_as_the_whole_model_bit_for_bit(model_type
     from slmedge.runtimes import TorchRuntime
 
     src = tiny_models(model_type)
-    whole = TorchRuntime(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32))
+    whole = TorchRuntime(exact_attention(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)))
     streamed = TorchRuntime.open_streamed(src)
     blocks = list(range(len(streamed.streamed.blocks)))
     loads = loads_of(streamed)
@@ -302,7 +304,7 @@ def test_whether_to_stream(tiny_models, monkeypatch):
 
     src = tiny_models("qwen2")
     need = WHOLE_PEAK_FACTOR * fp32_bytes(src)
-    whole = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    whole = exact_attention(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32))
     assert fp32_bytes(src) == 4 * sum(p.numel() for p in whole.parameters())  # the tied head counted once
     monkeypatch.delenv(STREAM_ENV, raising=False)
     monkeypatch.setattr(subject, "memory_available", lambda: need - 1)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, CorruptModelError, RuntimeNotInstalledError, brief
+from ..procs import native
 
 GENAI_CONFIG = "genai_config.json"
 INSTALL = "pip install 'slmedge[genai]'"
@@ -63,7 +64,8 @@ class GenaiModel:
         if gpu:
             config.append_provider("cuda")
         try:
-            self.model = og.Model(config)
+            with native("onnxruntime-genai", self.path):
+                self.model = og.Model(config)
         except Exception as exc:  # noqa: BLE001 - genai raises RuntimeError with the reason
             raise CorruptModelError(f"onnxruntime-genai cannot load {self.path}: "
                                     f"{brief(exc)}") from exc
@@ -84,18 +86,20 @@ class GenaiModel:
     def logits(self, ids) -> np.ndarray:
         """(T, V) float32 logits of one sequence, in one prefill."""
         ids = [int(t) for t in ids]
-        gen = self.generator(len(ids) + 1)
-        gen.append_tokens(ids)
-        return np.asarray(gen.get_output("logits")).reshape(len(ids), -1).astype(np.float32)
+        with native("onnxruntime-genai", self.path):
+            gen = self.generator(len(ids) + 1)
+            gen.append_tokens(ids)
+            return np.asarray(gen.get_output("logits")).reshape(len(ids), -1).astype(np.float32)
 
     def greedy(self, prompt, n_new: int) -> list[int]:
         """Up to ``n_new`` tokens after ``prompt`` from genai's greedy search (it stops at EOS)."""
         prompt = [int(t) for t in prompt]
-        gen = self.generator(len(prompt) + n_new)
-        gen.append_tokens(prompt)
-        while not gen.is_done():
-            gen.generate_next_token()
-        return [int(t) for t in gen.get_sequence(0)][len(prompt):]
+        with native("onnxruntime-genai", self.path):
+            gen = self.generator(len(prompt) + n_new)
+            gen.append_tokens(prompt)
+            while not gen.is_done():
+                gen.generate_next_token()
+            return [int(t) for t in gen.get_sequence(0)][len(prompt):]
 
     def encode(self, text: str) -> list[int]:
         """genai's own tokenizer (tokenizer.json in the folder) on ``text``."""

@@ -10,6 +10,7 @@ import sys
 import threading
 
 from ..errors import CorruptModelError, RuntimeNotInstalledError
+from ..procs import native
 
 # llama.cpp's AMX kernels crash some machines that have AMX. A build made where the CPU has AMX-INT8
 # (Sapphire Rapids and later Xeons, common in clouds) puts the quantized weights in the "AMX" extra
@@ -57,6 +58,11 @@ def load_llama(path, **kwargs):
     ``llama_model_default_params()``, so that function answers with ``use_extra_bufts`` off for
     the duration of this one call (under a lock; restored however the load ends)."""
     llama_cpp = require_llama_cpp()
+    with native("llama.cpp", path):
+        return _load(llama_cpp, path, kwargs)
+
+
+def _load(llama_cpp, path, kwargs: dict):
     if extra_buffers():
         return llama_cpp.Llama(model_path=str(path), **kwargs)
     low = llama_cpp.llama_cpp
@@ -108,7 +114,7 @@ def vocab_only(gguf_path):
     """llama.cpp's vocabulary and metadata of a GGUF file, without its weights; closed afterwards.
     A file llama.cpp cannot read raises ValueError on entry."""
     llama_cpp = require_llama_cpp()
-    with quiet_native_stderr():
+    with quiet_native_stderr(), native("llama.cpp", gguf_path):
         llm = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
     try:
         yield llm

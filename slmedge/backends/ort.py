@@ -1,4 +1,4 @@
-"""onnxruntime: run a decoder exported with KV cache (optimum's layout) on token ids.
+"""onnxruntime: run a decoder exported with KV cache (the layout slmedge, optimum and onnxruntime-genai's builder write) on token ids.
 
 The session's own input metadata says what it needs: ``input_ids``, ``attention_mask``,
 ``position_ids`` when present (Gemma exports have none), and ``past_key_values.N.key/value``
@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SlmedgeError, brief
+from ..procs import native
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
@@ -61,7 +62,8 @@ class OrtDecoder:
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
         try:
-            self.session = ort.InferenceSession(str(self.path), opts, providers=providers or ["CPUExecutionProvider"])
+            with native("onnxruntime", self.path):
+                self.session = ort.InferenceSession(str(self.path), opts, providers=providers or ["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
             raise OnnxModelError(f"onnxruntime cannot load {self.path}: {brief(exc)}") from exc
         self.inputs = {i.name: i for i in self.session.get_inputs()}
@@ -109,7 +111,8 @@ class OrtDecoder:
         else:  # some exports return present.* in another float type than past_key_values.* take
             past = {name: past[name].astype(dtype, copy=False) for name, _, dtype in self.past}
         feeds.update(past)
-        outs = self.session.run(None, feeds)
+        with native("onnxruntime", self.path):
+            outs = self.session.run(None, feeds)
         by_name = dict(zip(self.output_names, outs))
         present = {name.replace("present.", "past_key_values.", 1): by_name[name] for name in self.present_names}
         return by_name["logits"], present

@@ -79,6 +79,7 @@ app.command("report")(report_command)
 
 
 def main() -> None:
+    state.supervise = True  # the command line: evaluate and export run in a supervised child (common.supervised)
     try:
         app()
     except KeyboardInterrupt:  # between click's handling and the exit (rare)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import sys
 import uuid
 from pathlib import Path
@@ -23,8 +22,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..errors import OutputError, OutputExistsError, SlmedgeError
-from ..fsutil import disk_full, refuse_replacing
+from ..errors import OutputError, OutputExistsError, SlmedgeError, brief
+from ..fsutil import disk_full, refuse_replacing, user_paths  # noqa: F401 - user_paths: imported from here too
 
 console = Console()
 err_console = Console(stderr=True)
@@ -54,23 +53,13 @@ class Table(rich_table.Table):
 
 class State:
     debug = False
+    supervise = False  # run evaluate/export in a supervised child (the command line; not under CliRunner)
 
 
 state = State()
 
 
 INTERRUPTED = 130
-
-# The temporary names slmedge writes under before renaming into place (fsutil, the GGUF writer):
-# ".slmedge-tmp-<uuid>-NAME", ".slmedge-tmp-<pid>[-<hex8>][-stage|-old]-NAME". A message names
-# the user's NAME, never these.
-_TMP_NAME = re.compile(r"\.slmedge-tmp-(?:[0-9a-f]{32}|\d+(?:-[0-9a-f]{8})?)(?:-stage|-old)?-")
-
-
-def user_paths(text: str) -> str:
-    """``text`` with every temporary name slmedge writes under replaced by the name it becomes."""
-    return _TMP_NAME.sub("", text)
-
 
 def print_error(message: str) -> None:
     """One ``error:`` line on stderr (temporary names replaced by the user's)."""
@@ -113,9 +102,39 @@ def errors_to_exit() -> Iterator[None]:
         if disk_full(exc):  # a library's own error around ENOSPC (safetensors raises SafetensorError)
             print_error("no space left on the device")
             raise typer.Exit(1) from None
-        first = (str(exc).splitlines() or [""])[0][:300]
-        print_error(f"unexpected {type(exc).__name__}: {first} (run with --debug for the traceback)")
+        print_error(f"unexpected {type(exc).__name__}: {brief(exc)} "
+                    "(run with --debug for the traceback)")
         raise typer.Exit(1) from None
+
+
+# --- a native crash: one line ----------------------------------------------------------------------
+
+
+def supervised(command: str) -> None:
+    """Run the rest of ``command`` in a child process that a crash in native code (llama.cpp,
+    onnxruntime: a segfault ends a process without a word) cannot take the command line down with:
+    this process becomes a small supervisor (``slmedge/cli/supervisor.py``, same PID) that passes the
+    child's exit code on and, when the child died of a signal, prints one line naming the native code
+    and the file it was running, marks the evaluation it was recording as failed, and exits 128 + the
+    signal (139 for a segfault). See ``slmedge.procs.supervise``.
+
+    Only where slmedge runs as the command line (``main()``), not under --debug: there a crash shows
+    Python's traceback of every thread (faulthandler) instead, and the command runs in this process."""
+    if state.debug:
+        import faulthandler
+
+        faulthandler.enable()
+        return
+    if not state.supervise:
+        return
+    from ..procs import supervise
+    from . import supervisor
+
+    outcome = supervise(command, waiter=supervisor.__file__)
+    if outcome is None:  # the child: the command goes on here
+        state.supervise = False
+        return
+    supervisor.finish(command, *outcome)  # where the parent could not exec the supervisor: it waited here
 
 
 # --- checks before any work ------------------------------------------------------------------------
@@ -176,12 +195,13 @@ def check_output_file(path: Path, *, option: str = "-o", overwrite: bool | None 
     return path
 
 
-def check_model(spec, revision: str | None = None):
+def check_model(spec, revision: str | None = None, trust_remote_code: bool = False):
     """Resolve a model source before anything is written (a missing one leaves no output folder):
-    returns its ModelSource; a missing or unreachable one raises ModelNotFoundError."""
+    returns its ModelSource; a missing or unreachable one raises ModelNotFoundError, one whose files
+    name code to run RemoteCodeError (unless ``trust_remote_code``)."""
     from ..models.source import resolve
 
-    return resolve(spec, revision)
+    return resolve(spec, revision, trust_remote_code)
 
 
 @contextlib.contextmanager

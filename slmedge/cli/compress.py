@@ -30,7 +30,7 @@ def recipe_from_options(method, bits, group_size, symmetric, sparsity, calibrati
 
 
 def check_compress(model, recipe: Recipe, output, *, overwrite: bool, revision=None, data_dir=None,
-                   text_field: str = "text", option: str = "-o") -> Path:
+                   text_field: str = "text", option: str = "-o", trust_remote_code: bool = False) -> Path:
     """Everything a compression can be refused for before the model is loaded, in this order: the
     recipe, the model source (resolved: a missing one creates no output folder), the calibration
     text (read, not tokenized; Hub datasets are fetched later), the output folder. Returns it."""
@@ -39,7 +39,7 @@ def check_compress(model, recipe: Recipe, output, *, overwrite: bool, revision=N
     from ..data.calibration import read_texts
 
     recipe = recipe.validate()
-    check_model(model, revision)
+    check_model(model, revision, trust_remote_code)
     if METHODS[recipe.method].cls(recipe).needs_calibration and not recipe.calibration.startswith("hf:"):
         read_texts(recipe.calibration, data_dir, text_field)
     out = Path(output) if output is not None else default_output(model or "smollm2-135m", recipe)
@@ -121,7 +121,7 @@ def compress_command(
                                      batch_size, skip, include_head, damp, block_size, act_order, true_sequential,
                                      awq_grid, awq_clip, awq_max_tokens, awq_search_dtype)
         output = check_compress(model, recipe, output, overwrite=overwrite, revision=revision, data_dir=data_dir,
-                                text_field=text_field)
+                                text_field=text_field, trust_remote_code=trust_remote_code)
         with progress_bar() as progress:
             outcome = compress(model, recipe, output, data_dir=data_dir, device=device, overwrite=overwrite,
                                trust_remote_code=trust_remote_code, revision=revision, text_field=text_field,

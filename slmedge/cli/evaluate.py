@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from .common import Table, check_model, check_output_file, check_writable_place, console, errors_to_exit, progress_bar
+from .common import (Table, check_model, check_output_file, check_writable_place, console, errors_to_exit,
+                     progress_bar, supervised)
+from ..fsutil import output_lock
 from .data import DATA_DIR_HELP
 
 
@@ -126,9 +129,9 @@ def evaluate_command(
       slmedge evaluate out/gptq --runtime llama.cpp --metrics latency
       slmedge evaluate model.gguf --target arm64 --metrics perplexity,latency
     """
-    from ..evaluate.api import METRICS, EvalSettings, Evaluation
-    from ..evaluate.store import ResultsStore
+    from ..evaluate.api import METRICS, EvalSettings
 
+    supervised("evaluate")  # a crash in a runtime: one line naming it and the file (common.supervised)
     with errors_to_exit():
         settings = EvalSettings(
             metrics=_split(metrics) or tuple(METRICS), langs=_split(langs) or (), wikitext=not no_wikitext,
@@ -137,22 +140,35 @@ def evaluate_command(
             repeats=repeats, context=context, threads=threads, runtime=runtime, target=target,
             data_dir=str(data_dir) if data_dir else None)
         check_evaluation(source, settings, json_out)
-        store = ResultsStore(results_db) if check_store_location(results_db) else None  # a foreign file: refused now
-        try:
-            with progress_bar() as progress:
-                ev = Evaluation(source, settings, store, json_out, progress)
-                try:
-                    if store is None:  # a new store is created once the model opened and every input read
-                        ev.check_inputs()
-                        store = ev.store = ResultsStore(results_db)
-                    res = ev.run()
-                finally:
-                    ev.close()
-        finally:
-            if store is not None:
-                store.close()
-        print_results(res)
-        console.print(f"results: run {res.get('run_id')} in {store.path}" + (f", JSON {json_out}" if json_out else ""))
+        # One evaluation writes a --json file at a time: a second one naming the same file is refused now,
+        # naming the first (fsutil.output_lock), not left to replace its results at the end.
+        json_lock = output_lock(json_out, what=f"--json {json_out}") if json_out else contextlib.nullcontext()
+        with json_lock:
+            _evaluate(source, settings, results_db, json_out)
+
+
+def _evaluate(source, settings, results_db, json_out) -> None:
+    """The evaluation, recorded in the results store (a new store is created only once the model
+    opened and every input was read); its results printed."""
+    from ..evaluate.api import Evaluation
+    from ..evaluate.store import ResultsStore
+
+    store = ResultsStore(results_db) if check_store_location(results_db) else None  # a foreign file: refused now
+    try:
+        with progress_bar() as progress:
+            ev = Evaluation(source, settings, store, json_out, progress)
+            try:
+                if store is None:
+                    ev.check_inputs()
+                    store = ev.store = ResultsStore(results_db)
+                res = ev.run()
+            finally:
+                ev.close()
+    finally:
+        if store is not None:
+            store.close()
+    print_results(res)
+    console.print(f"results: run {res.get('run_id')} in {store.path}" + (f", JSON {json_out}" if json_out else ""))
 
 
 def check_source(spec) -> None:

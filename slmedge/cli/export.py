@@ -9,7 +9,8 @@ from typing import Optional
 
 import typer
 
-from .common import Table, check_model, check_output_dir, check_output_file, console, err_console, errors_to_exit
+from .common import (Table, check_model, check_output_dir, check_output_file, console, err_console, errors_to_exit,
+                     supervised)
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -76,6 +77,7 @@ def export_command(
     from ..export.api import export
     from ..export.formats import get_format
 
+    supervised("export")  # a crash in llama.cpp or onnxruntime: one line naming it and the file
     with errors_to_exit():
         _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level, revision, block_size)
         with warnings.catch_warnings(record=True) as caught:

@@ -19,7 +19,7 @@ from ..compress.artifact import Artifact
 from ..compress.recipe import Recipe
 from ..errors import ArtifactError
 from ..models.artifact_format import is_artifact, manifest_path
-from .common import Table, check_output_file, console, errors_to_exit, progress_bar
+from .common import Table, check_output_file, console, errors_to_exit, progress_bar, supervised
 from .data import DATA_DIR_HELP
 from .evaluate import flips_text
 
@@ -55,6 +55,7 @@ def run_command(
     from .evaluate import check_evaluation, check_store_location
 
     spec = model or "smollm2-135m"
+    supervised("run")  # a crash in llama.cpp: one line naming it and the file (common.supervised)
     with errors_to_exit():
         # Every setting and location first: nothing is compressed, exported or recorded before all pass.
         # Asymmetric codes: GGUF Q4_1 holds them exactly (scale and offset per 32-value block).

@@ -10,7 +10,7 @@ import torch
 
 from ..data.calibration import load_calibration
 from ..errors import ConfigError
-from ..fsutil import check_output_dir
+from ..fsutil import check_output_dir, output_lock
 from ..models.source import SOURCE_DTYPE, LoadedModel, load, resolve
 from .artifact import MANIFEST, Artifact, CompactWeights, source_dtypes, write_artifact
 from .engine import CompressionResult, compress_model, is_skipped, resolve_device
@@ -136,10 +136,22 @@ def compress(
     """
     recipe = (recipe or Recipe()).validate()
     dev = resolve_device(device)
-    if write:
-        output = Path(output) if output is not None else default_output(model or "smollm2-135m", recipe)
-        resolve(model, revision)  # a missing model is said first, and creates nothing
-        check_output_dir(output, overwrite, MANIFEST, inputs=[model])
+    if not write:
+        return _compress(model, recipe, None, data_dir, dev, overwrite, trust_remote_code, revision, text_field,
+                         progress, write)
+    output = Path(output) if output is not None else default_output(model or "smollm2-135m", recipe)
+    resolve(model, revision, trust_remote_code)  # a missing model is said first, and creates nothing
+    check_output_dir(output, overwrite, MANIFEST, inputs=[model])
+    # One writer per output, from before the model loads until the artifact is in place: a second
+    # compression into the same folder is refused now, naming this one (fsutil.output_lock).
+    with output_lock(output):
+        check_output_dir(output, overwrite, MANIFEST, inputs=[model])  # again: another writer may have finished
+        return _compress(model, recipe, output, data_dir, dev, overwrite, trust_remote_code, revision, text_field,
+                         progress, write)
+
+
+def _compress(model, recipe: Recipe, output, data_dir, dev, overwrite: bool, trust_remote_code: bool, revision,
+              text_field: str, progress, write: bool) -> CompressOutcome:
     started = time.perf_counter()
     loaded = load(model, revision=revision, trust_remote_code=trust_remote_code,
                   dtype=SOURCE_DTYPE if write else torch.float32)

@@ -34,7 +34,9 @@ from safetensors.torch import save_file
 from .. import __version__
 from ..fsutil import atomic_directory, sealed, sha256_file, write_json_atomic
 from ..models.artifact_format import (FORMAT, FORMAT_VERSION, MANIFEST, QUANT_FILE, WEIGHTS_FILE, format_version,
-                                      is_artifact, manifest_path, open_manifest, read_manifest, verify_files)
+                                      is_artifact, manifest_path, open_manifest, open_manifest_bytes, read_manifest,
+                                      verify_files)
+from ..models.architectures import exact_attention
 from ..models.artifact_weights import KEPT_SUFFIX, rebuild_linear
 from .methods.base import LinearResult
 from .quant import QuantSpec, codes_per_byte, pack_codes, pack_mask, unpack_codes, unpack_mask
@@ -255,12 +257,17 @@ def write_artifact(dest, model, tokenizer, layers, extras, manifest: dict, overw
 class Artifact:
     path: Path
     manifest: dict
+    # The sha256 of the manifest file's bytes as they were read and checked (``open``): what an export
+    # records as its source (``source_manifest_sha256``). None: not opened from disk.
+    manifest_sha256: str | None = None
 
     @classmethod
     def open(cls, path, verify: bool = True) -> "Artifact":
-        """Open a complete artifact; with ``verify`` every file is checked against its sha256."""
+        """Open a complete artifact; with ``verify`` the manifest is checked against its seal (required
+        from format version 2) and every file against its sha256."""
         path = Path(path)
-        return cls(path, open_manifest(path, verify=verify))
+        manifest, digest = open_manifest_bytes(path, verify=verify)
+        return cls(path, manifest, digest)
 
     def verify(self) -> None:
         """Check every file listed in the manifest against its sha256."""
@@ -278,7 +285,7 @@ class Artifact:
             return load_model(self.path, dtype)
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, use_safetensors=True)
+        return exact_attention(AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, use_safetensors=True))
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer

@@ -263,16 +263,24 @@ class ResultsStore:
         return int(cur.lastrowid)
 
     def begin_run(self, *args, **kwargs) -> int:
-        """``start_run``'s arguments; the run is 'running' until ``end_run``."""
-        return self.start_run(*args, **{**kwargs, "status": "running"})
+        """``start_run``'s arguments; the run is 'running' until ``end_run``. (A supervising parent that
+        sees this process die marks it failed: ``slmedge.procs.note``.)"""
+        from ..procs import note
+
+        run_id = self.start_run(*args, **{**kwargs, "status": "running"})
+        note("run", [str(self.path), run_id])
+        return run_id
 
     def end_run(self, run_id: int, error: str | None = None) -> None:
         """Mark a run done, or failed with ``error`` (one line kept)."""
+        from ..procs import note
+
         self._writable()
         status = "done" if error is None else "failed"
         with self.db:
             self.db.execute("UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
                             (status, None if error is None else str(error)[:2000], _now(), run_id))
+        note("run", None)
 
     def run_status(self, run_id: int) -> tuple[str, str | None] | None:
         """(status, error) of a run; None when there is no such run."""

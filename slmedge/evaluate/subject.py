@@ -18,8 +18,9 @@ from pathlib import Path
 
 from ..errors import ConfigError, brief
 from ..export.formats import format_for_path, get_format
-from ..fsutil import memory_available, sha256_file
-from ..models.artifact_format import is_artifact, manifest_path, read_manifest
+from ..fsutil import memory_available, output_lock, sha256_file
+from ..models.artifact_format import is_artifact, manifest_path
+from ..models.remote_code import refuse_code
 from ..models.source import load, resolve
 from ..paths import cache_dir
 from ..runtimes import Runtime, TorchRuntime
@@ -71,11 +72,21 @@ def base_spec_from_identity(base: dict | None) -> str | None:
     return None
 
 
-def _artifact_base(folder: Path) -> str | None:
+def _artifact_base(folder: Path, recorded: str | None = None) -> str | None:
+    """The base model an artifact's manifest names (the fidelity reference), taken from a manifest
+    that passes its seal (an unsealed one of a sealed format version is refused), and with
+    ``recorded`` (an export's ``source_manifest_sha256``) only from the very manifest the export was
+    written from: an artifact changed since names no base for it."""
+    from ..errors import ArtifactError
+    from ..models.artifact_format import check_manifest_seal, open_manifest_bytes
+
     try:
-        manifest = read_manifest(folder)
-    except (OSError, ValueError):
+        manifest, digest = open_manifest_bytes(folder, verify=False)
+    except (ArtifactError, OSError):
         return None
+    if recorded is not None and digest != recorded:
+        return None
+    check_manifest_seal(folder, manifest)
     return base_spec_from_identity(manifest.get("base_model"))
 
 
@@ -85,7 +96,7 @@ def _export_base(manifest: dict | None) -> str | None:
         return None
     src = manifest.get("source")
     if src and is_artifact(src):
-        return _artifact_base(Path(src))
+        return _artifact_base(Path(src), manifest.get("source_manifest_sha256"))
     return src if src and Path(src).exists() else None
 
 
@@ -100,8 +111,10 @@ def _cached_export(folder: Path, fmt: str) -> Path:
     root = cache_dir() / "exports"
     root.mkdir(parents=True, exist_ok=True)
     out = root / export_format.output_name(f"{key}-{fmt}")
-    if not export_format.reusable(out):  # missing, half-written, or changed since written: write it again
-        export_format.write(folder, out, "auto", overwrite=True)
+    # Another evaluation writing the same entry now is waited for; its export is then reused.
+    with output_lock(out, wait=True):
+        if not export_format.reusable(out):  # missing, half-written, or changed since written: write it again
+            export_format.write(folder, out, "auto", overwrite=True)
     return out
 
 
@@ -141,7 +154,7 @@ def open_subject(spec: str | None, runtime: str | None = None, threads: int | No
                              factory, streamed)
 
     # --- model sources: torch, or exported for the other runtimes ------------------------------
-    source = resolve(spec, None)
+    source = resolve(spec, None, trust_remote_code)
     if not want.runs_files:
         base = _artifact_base(source.path) if source.kind == "artifact" else None
         return _source_subject(spec_s, source, threads, device, trust_remote_code, base, streamed)
@@ -176,9 +189,11 @@ def _file_subject(spec_s: str, path: Path, fmt: str, rt: str, runs_files: bool, 
             raise ConfigError(f"{path} is {export_format.what}: it runs in {' or '.join(_runners(fmt))} "
                               f"(evaluate its source for {rt})")
         digest = sha256_file(path) if path.is_file() else _sha256_files(sorted(f for f in path.rglob("*") if f.is_file()))
-        return _source_subject(spec_s, resolve(str(path)), threads, device, False, None, streamed,
+        return _source_subject(spec_s, resolve(str(path), None, trust_remote_code), threads, device, False, None, streamed,
                                {"kind": fmt, "path": str(path.resolve()), "sha256": digest})
     model_file = export_format.model_file(path)
+    if export_format.tokenizer != "inside":  # a folder whose tokenizer files transformers reads: checked first
+        refuse_code(model_file.parent, trust_remote_code)
     run = factory(rt, model_file, threads, n_ctx)
     if export_format.tokenizer == "inside":  # the file's own vocabulary, read by llama.cpp's loader
         encoder = LlamaCppEncoder(getattr(run, "llm", None) or _vocab(model_file))
@@ -277,6 +292,8 @@ def _described(source):
 
 
 def _torch_subject(spec, run, tokenizer, arch, hf_dir, base, identity, streamed: bool = False) -> Subject:
+    if run.path is None and hf_dir is not None:
+        run.path = Path(hf_dir)  # the folder its weights came from: what a crash report names
     params = sum(p.numel() for p in run.model.parameters())  # counted on the meta device too
     ident = dict(identity)
     if hf_dir is not None and is_artifact(hf_dir):

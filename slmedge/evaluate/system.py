@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SlmedgeError
+from ..procs import child_options
 
 
 def path_bytes(path: Path | None) -> int | None:
@@ -54,7 +55,8 @@ def peak_rss_child(spec: str, runtime: str, threads: int, prompt_tokens: int = 1
     cmd = [sys.executable, "-m", "slmedge.evaluate._memprobe", spec, runtime, str(threads), str(prompt_tokens),
            "streamed" if streamed else "whole"]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ),
+                              **child_options())
     except subprocess.TimeoutExpired as exc:
         raise SlmedgeError(f"the memory probe did not finish in {timeout:.0f} s") from exc
     if proc.returncode != 0:

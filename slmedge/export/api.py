@@ -61,12 +61,20 @@ def export(spec: str | None, fmt: str, qtype: str = "auto", output=None, *, exac
            overwrite: bool = False, n_threads: int | None = None, block_size: int = 32, accuracy_level: int = 4,
            keep_fp32_head: bool = False, keep_f16_uncoded: bool = False, revision: str | None = None) -> dict:
     """Write ``spec`` in the registered format ``fmt``; returns the writer's report."""
+    import contextlib
+
+    from ..fsutil import output_lock
+
     target = check_export_options(fmt, qtype, accuracy_level=accuracy_level, n_threads=n_threads,
                                   block_size=block_size)
-    folder = source_folder(spec, revision)
-    out = Path(output) if output is not None else default_output(folder, target.name, qtype)
-    target.check_output(out)
-    options = target.writer_options({"block_size": block_size, "accuracy_level": accuracy_level,
-                                     "keep_fp32_head": keep_fp32_head, "keep_f16_uncoded": keep_f16_uncoded})
-    return target.write(folder, out, qtype, exact=exact, verify=verify, overwrite=overwrite, n_threads=n_threads,
-                        **options)
+    with contextlib.ExitStack() as held:
+        if output is not None:  # one writer per output, refused before a source is converted or read
+            target.check_output(Path(output))
+            held.enter_context(output_lock(output))
+        folder = source_folder(spec, revision)
+        out = Path(output) if output is not None else default_output(folder, target.name, qtype)
+        target.check_output(out)
+        options = target.writer_options({"block_size": block_size, "accuracy_level": accuracy_level,
+                                         "keep_fp32_head": keep_fp32_head, "keep_f16_uncoded": keep_f16_uncoded})
+        return target.write(folder, out, qtype, exact=exact, verify=verify, overwrite=overwrite, n_threads=n_threads,
+                            **options)

@@ -7,40 +7,42 @@ i*bits.. of its word), ``weight_scale``, ``weight_zero_point`` (asymmetric only,
 way down the rows) and ``weight_shape``. The library writes them: its pack-quantized compressor
 packs each linear from the artifact's own weights, scales and zero points, and the packed codes
 are then compared with the artifact's (they must be equal: ``w / scale = q - zero`` is exact in
-fp32 for the artifact's weights). The config is the library's ``QuantizationConfig`` (and
-sparsity config), written by its ``ModelCompressor``.
+fp32 for the artifact's weights). The config is the library's ``QuantizationConfig``, one config
+group per grid with its format named (``pack-quantized``), written by its ``ModelCompressor``.
 
-Pruned linears are written dense, their pruned weights exactly 0, the sparsity recorded in the
-config (``sparsity_config``, format ``dense``) beside quantized linears. A pruned-only artifact is
-a plain dense checkpoint with no ``quantization_config`` (its sparsity in slmedge's manifest):
-what llm-compressor writes for sparse-only models, and the only form both readers load
-(transformers 5 with compressed-tensors 0.19 refuses a ``quantization_config`` without config
-groups: ``'NoneType' object has no attribute 'config_groups'``).
-compressed-tensors' ``sparse-bitmask`` cannot be used: transformers builds the model on the meta
-device and compresses it there before loading, and a bitmask's kept values have no size
-without the data (``NotImplementedError: Cannot copy out of meta tensor``), so transformers 4.57
-cannot load an unstructured sparse-bitmask checkpoint with any compressed-tensors that still has
-the compressor (0.15 removed it).
+Sparsity. The releases the tools around slmedge pin (compressed-tensors 0.17 in vLLM 0.33, 0.19 in
+llm-compressor 0.14, 0.20 the newest) no longer write a sparsity config (``ModelCompressor`` has none
+and writes ``sparsity_config: {}``), and llm-compressor 0.14 writes sparse models the same way.
+slmedge follows them: pruned linears are written dense, their pruned weights exactly 0, and the
+sparsity (structure, share, linears) is recorded in the export's manifest, not in ``config.json``
+(a ``sparsity_config`` there would be read by vLLM to pick 2:4 sparse kernels). Pruned and quantized
+linears are pack-quantized with the pruned weights at their zero point (decoding to exactly 0). A
+pruned-only artifact is a plain dense checkpoint with no ``quantization_config``: what
+llm-compressor writes for sparse-only models, and the only form the readers load (transformers 5
+refuses a ``quantization_config`` without config groups: ``'NoneType' object has no attribute
+'config_groups'``). compressed-tensors' sparse-bitmask compressors are gone from these releases.
 
 What the format cannot hold is refused before anything is written, with the nearest grid that
 works: a group size that does not divide a linear's input width (the artifact's ragged last
-group; compressed-tensors reshapes each row into equal groups), and codes of 3, 5, 6 or 7 bits
-(compressed-tensors 0.14 packs 32 // bits of them per word, 0.20 packs them across words: the
-same file would decode to different weights). Pruned and quantized linears are pack-quantized
-with the pruned weights at their zero point (decoding to exactly 0). slmedge's act-order keeps
-groups static in the original column order: compressed-tensors' ``actorder: weight``, which has
-no ``g_idx`` (a ``g_idx`` would be the identity grouping, and sends vLLM to its slower act-order
-kernels; compressed-tensors 0.20 removed ``actorder: group`` and ``g_idx`` altogether).
+group): every reader splits each row into equal groups and stops with ``ValueError: tensor column
+shape must be divisble by the given group_size`` (compressed-tensors 0.17, 0.19 and 0.20 alike);
+and codes of 3, 5, 6 or 7 bits (0.17 packs 32 // bits of them per word, 0.19 and 0.20 pack them
+across words: the same file would decode to different weights). 2, 4 and 8 bits pack alike in all.
+slmedge's act-order keeps groups static in the original column order: compressed-tensors'
+``actorder: weight``, which has no ``g_idx`` (a ``g_idx`` would be the identity grouping, and sends
+vLLM to its slower act-order kernels; 0.19 removed ``actorder: group``'s ``g_idx``).
 
 Before the folder appears, transformers loads it (``from_pretrained``, decompressed on the
 CPU in fp32): every compressed linear must decode to the artifact's very weights, and the
-logits must equal torch's of the artifact within fp32 rounding.
+logits must equal torch's of the artifact within fp32 rounding. The readers of vLLM 0.33
+(compressed-tensors 0.17.0, transformers 5.20) and llm-compressor 0.14 (0.19.0, transformers 5.17)
+are checked the same way in their own virtual environments (scripts/bench/ct_readers.sh,
+tests/test_ct_readers.py).
 
-compressed-tensors is an optional extra (``pip install 'slmedge[compressed-tensors]'``), pinned
-to 0.14: transformers 4.x cannot load asymmetric pack-quantized checkpoints with 0.18-0.20
-(their meta-device pass leaves the zero point unpacked: a shape mismatch), 0.13 and older
-cannot decompress packed zero points, and 0.15-0.17 (which load them) no longer write a
-sparsity config (a pruned model's checkpoint would not say it is sparse).
+compressed-tensors is an optional extra (``pip install 'slmedge[compressed-tensors]'``), >=0.17,<0.21:
+0.17.0 is vLLM 0.33's pin and 0.19.0 llm-compressor 0.14's, so slmedge installs beside either, and
+the releases in the range write the same files for the grids above (the packing of 2, 4 and 8 bits,
+the config). 0.17 is the oldest release checked; 0.20.1 the newest.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from pathlib import Path
 
 from ..errors import RuntimeNotInstalledError
 from ..fsutil import atomic_directory, check_output_dir, sha256_file
-from ..models.artifact_format import QUANT_FILE, WEIGHTS_FILE, is_compact, manifest_path, safetensors_header
+from ..models.artifact_format import QUANT_FILE, WEIGHTS_FILE, is_compact, safetensors_header
 from .errors import ExportError, ExportVerificationError
 from .formats import get_format, register_format
 from .inspect import EXPORT_MANIFEST, _by_type, read_export_manifest, verified_export_manifest, write_export_manifest
@@ -64,11 +66,12 @@ from .source import ExportSource, iter_weights, open_export_source
 from .verify import check_logits, probe_text, source_tokenizer, torch_logits
 
 FORMAT = "compressed-tensors"
+FORMAT_PACKED = "pack-quantized"  # compressed-tensors' format of int codes packed in int32 words
 WEIGHTS = "model.safetensors"
 PACKAGE = "compressed-tensors"
-SUPPORTED = ((0, 14), (0, 15))  # [low, high) of compressed-tensors' (major, minor)
+SUPPORTED = ((0, 17), (0, 21))  # [low, high) of compressed-tensors' (major, minor): 0.17 vLLM 0.33's, 0.20 the newest
 INSTALL = "pip install 'slmedge[compressed-tensors]'"
-PACKABLE_BITS = (2, 4, 8)  # packed alike by every compressed-tensors release (32 // bits per word, no spill)
+PACKABLE_BITS = (2, 4, 8)  # packed alike by 0.17 (32 // bits per word) and 0.19+ (across words): no spill
 
 # The decoded weights are the artifact's exactly, so only fp32 rounding separates the logits
 # (transformers' whole-model forward vs slmedge's block-streamed one).
@@ -101,8 +104,8 @@ def require_compressed_tensors():
     if not SUPPORTED[0] <= major_minor < SUPPORTED[1]:
         raise RuntimeNotInstalledError(
             f"compressed-tensors {version} is installed; the compressed-tensors export needs "
-            f">={'.'.join(map(str, SUPPORTED[0]))},<{'.'.join(map(str, SUPPORTED[1]))} (transformers 4.x "
-            f"cannot load asymmetric checkpoints with 0.18-0.20); install it with: {INSTALL}")
+            f">={'.'.join(map(str, SUPPORTED[0]))},<{'.'.join(map(str, SUPPORTED[1]))} (the releases vLLM 0.33 and "
+            f"llm-compressor 0.14 read with, checked here); install it with: {INSTALL}")
     return compressed_tensors
 
 
@@ -136,12 +139,13 @@ def nearest_group_size(group_size: int, widths) -> int:
 def cannot_hold(spec, columns: int) -> str | None:
     """Why compressed-tensors cannot hold a ``spec`` grid over ``columns`` inputs (None: it can)."""
     if spec.bits not in PACKABLE_BITS:
-        return (f"{spec.bits}-bit codes: compressed-tensors 0.14 packs {32 // spec.bits} per int32 word and 0.20 "
+        return (f"{spec.bits}-bit codes: compressed-tensors 0.17 packs {32 // spec.bits} per int32 word and 0.19+ "
                 "packs them across words, so readers would decode different weights (and vLLM runs 4 and 8 bits)")
     g = spec.group_width(columns)
     if g != columns and columns % g:
         return (f"group size {spec.group_size} does not divide the {columns} input columns (a ragged last group of "
-                f"{columns % g}); compressed-tensors splits every row into equal groups")
+                f"{columns % g}); compressed-tensors splits every row into equal groups (its readers stop with "
+                "'tensor column shape must be divisble by the given group_size')")
     return None
 
 
@@ -207,10 +211,18 @@ def weight_args(key: tuple):
                             group_size=None if g == -1 else g, actorder="weight" if act_order else None)
 
 
+def weight_scheme(key: tuple, targets: list[str]):
+    """compressed-tensors' QuantizationScheme of one grid, its format named: a reader then never infers
+    one (0.19 and 0.20 try ``int-quantized`` before ``pack-quantized``)."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    return QuantizationScheme(targets=targets, weights=weight_args(key), format=FORMAT_PACKED)
+
+
 def quantization_config(plan: dict, linears: list[str]):
     """compressed-tensors' QuantizationConfig of the plan (None: nothing quantized): one config group per
     grid, targeting ``Linear`` when there is one grid (its names otherwise), every other linear ignored."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import QuantizationConfig
 
     schemes: dict[tuple, list[str]] = {}
     for name, p in plan.items():
@@ -220,25 +232,23 @@ def quantization_config(plan: dict, linears: list[str]):
         return None
     groups = {}
     for i, (key, names) in enumerate(sorted(schemes.items(), key=lambda kv: str(kv[0]))):
-        groups[f"group_{i}"] = QuantizationScheme(targets=["Linear"] if len(schemes) == 1 else sorted(names),
-                                                  weights=weight_args(key))
+        groups[f"group_{i}"] = weight_scheme(key, ["Linear"] if len(schemes) == 1 else sorted(names))
     quantized = {n for names in schemes.values() for n in names}
-    return QuantizationConfig(config_groups=groups, format="pack-quantized", quantization_status="compressed",
+    return QuantizationConfig(config_groups=groups, format=FORMAT_PACKED, quantization_status="compressed",
                               ignore=[n for n in linears if n not in quantized])
 
 
-def sparsity_config(plan: dict, recipe: dict | None):
-    """compressed-tensors' sparsity config of the pruned linears (format dense: the weights are stored
-    with their zeros); None when nothing is pruned."""
-    from compressed_tensors.config import DenseSparsityConfig
-
+def sparsity_record(plan: dict, recipe: dict | None) -> dict | None:
+    """The pruned linears' sparsity, for the export's manifest (None when nothing is pruned): format
+    ``dense`` (stored with their zeros), the structure (``2:4`` or ``unstructured``), the mean share of
+    zeros and the linears. Not written to config.json (see the module's docstring)."""
     pruned = {n: p for n, p in plan.items() if p["kind"] in ("pruned", "pruned+quantized")}
     if not pruned:
         return None
     text = str((recipe or {}).get("sparsity") or "")
     structure = text if ":" in text else "unstructured"
     mean = round(sum(float(p.get("sparsity") or 0) for p in pruned.values()) / len(pruned), 6)
-    return DenseSparsityConfig(targets=sorted(pruned), global_sparsity=mean, sparsity_structure=structure)
+    return {"format": "dense", "sparsity_structure": structure, "global_sparsity": mean, "targets": sorted(pruned)}
 
 
 # --- the tensors ------------------------------------------------------------------------------
@@ -294,38 +304,39 @@ def _iter_torch(path: Path, names):
         yield name, torch.from_numpy(w)
 
 
-def pack_linear(layer: str, res, weight, scheme_key, qconfig) -> dict:
+def pack_linear(layer: str, res, weight, scheme_key) -> dict:
     """The pack-quantized tensors of one linear (names relative to it), by compressed-tensors' own
     compressor from the artifact's weight, scales and zero points; its codes checked against the
     artifact's (CompressedTensorsExportError when the library chose others)."""
     import torch
     from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.compressors.quantized_compressors.pack_quantized import unpack_from_int32
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    args = weight_args(scheme_key)
+    scheme = weight_scheme(scheme_key, ["Linear"])
+    bits = scheme.weights.num_bits
     offset = 1 << (res.spec.bits - 1)  # compressed-tensors stores codes signed: q - 2**(bits-1)
-    compressor = BaseCompressor.load_from_registry("pack-quantized", config=qconfig)
-    scale = res.scales.float()
     zero = (res.zeros.to(torch.int16) - offset).to(torch.int8)
     if res.spec.symmetric and bool((zero != 0).any()):
         raise CompressedTensorsExportError(f"{layer}: symmetric codes whose zero point is not {offset}; "
                                            "compressed-tensors' symmetric grid has none")
+    state = {"weight": weight.float(), "weight_scale": res.scales.float()}
+    if not res.spec.symmetric:
+        state["weight_zero_point"] = zero
     with _quiet():
-        out = compressor.compress_weight(weight=weight.float(), scale=scale, quantization_args=args,
-                                         zero_point=None if res.spec.symmetric else zero)
-    codes = unpack_from_int32(out["weight_packed"], args.num_bits, weight.shape).to(torch.int16) + offset
+        out = BaseCompressor.get_value_from_registry(FORMAT_PACKED).compress(state, scheme)
+    codes = unpack_from_int32(out["weight_packed"], bits, weight.shape).to(torch.int16) + offset
     if not torch.equal(codes, res.codes.to(torch.int16)):
         bad = int((codes != res.codes.to(torch.int16)).sum())
         raise CompressedTensorsExportError(f"compressed-tensors' packer chose other codes than the artifact's for "
                                            f"{layer} ({bad} of {codes.numel()}); refusing to write them")
-    tensors = {"weight_packed": out["weight_packed"], "weight_shape": out["weight_shape"],
+    tensors = {"weight_packed": out["weight_packed"].contiguous(), "weight_shape": out["weight_shape"],
                "weight_scale": res.scales.to(torch.float16).contiguous()}
-    if "weight_zero_point" in out:
+    if not res.spec.symmetric:
         tensors["weight_zero_point"] = out["weight_zero_point"].contiguous()
     return tensors
 
 
-def _write_tensors(src: ExportSource, plan: dict, qconfig, dest: Path) -> dict:
+def _write_tensors(src: ExportSource, plan: dict, dest: Path) -> dict:
     """Write ``model.safetensors``: every stored tensor as it is, each quantized linear pack-quantized,
     each pruned-only linear dense with its zeros. Returns the per-linear report."""
     from safetensors.torch import save_file
@@ -345,7 +356,7 @@ def _write_tensors(src: ExportSource, plan: dict, qconfig, dest: Path) -> dict:
                             "mask_kept": True}
             continue
         res = layers[name]  # its codes, scales and zeros (read now, dropped after)
-        for k, t in pack_linear(name, res, weight, p["scheme"], qconfig).items():
+        for k, t in pack_linear(name, res, weight, p["scheme"]).items():
             tensors[f"{name}.{k}"] = t
         bits, symmetric, g, act_order = p["scheme"]
         report[name] = {"type": "pack-quantized", "grid": p["spec"].describe(),
@@ -376,12 +387,12 @@ def _copy_beside(src: Path, dest: Path) -> None:
 def load_checkpoint(path: Path, dtype=None):
     """transformers' model of a compressed-tensors folder, decompressed on the CPU (fp32 by default)."""
     import torch
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    decompress = {"quantization_config": CompressedTensorsConfig(run_compressed=False)} \
-        if config.get("quantization_config") else {}  # a pruned-only export is a plain checkpoint
-    with _quiet():
+    from ..models.source import decompress_at_load
+
+    with _quiet():  # a pruned-only export is a plain checkpoint: nothing to decompress
+        decompress = decompress_at_load(AutoConfig.from_pretrained(str(path)))
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32, device_map="cpu",
                                                      **decompress)
     return model.eval()
@@ -498,6 +509,8 @@ def inspect_compressed_tensors(path: Path) -> dict:
     manifest = read_export_manifest(folder)
     if manifest is not None:
         manifest.pop("files", None)
+    # a checkpoint written by compressed-tensors <0.15 says it in config.json; slmedge's in its manifest
+    sparsity = qc.get("sparsity_config") or (manifest or {}).get("sparsity") or None
     files = ct_model_files(folder)
     params = sum(r[1] for r in rows)
     nbytes = sum(r[2] for r in rows)
@@ -507,7 +520,7 @@ def inspect_compressed_tensors(path: Path) -> dict:
         "bits_per_weight": round(8 * nbytes / params, 3) if params else None,
         "compression": {"format": qc.get("format"), "version": qc.get("version"),
                         "status": qc.get("quantization_status"), "config_groups": groups,
-                        "ignore": qc.get("ignore") or [], "sparsity": qc.get("sparsity_config") or None},
+                        "ignore": qc.get("ignore") or [], "sparsity": sparsity},
         "by_type": _by_type(rows), "manifest": manifest,
     }
 
@@ -523,9 +536,10 @@ def ct_rows(info: dict) -> list[tuple[str, str]]:
 
     grids = "; ".join(f"{n}: {grid(g)}" for n, g in c["config_groups"].items())
     if c["format"] is None:
-        return [("compression", "none: a dense checkpoint, every weight as it is (pruned weights are exact zeros)")]
-    rows = [("compression", f"{c['format']} (compressed-tensors {c['version']}, {c['status']})"),
-            ("config groups", grids or "none"), ("ignored", ", ".join(c["ignore"])[:300] or "none")]
+        rows = [("compression", "none: a dense checkpoint, every weight as it is (pruned weights are exact zeros)")]
+    else:
+        rows = [("compression", f"{c['format']} (compressed-tensors {c['version']}, {c['status']})"),
+                ("config groups", grids or "none"), ("ignored", ", ".join(c["ignore"])[:300] or "none")]
     s = c.get("sparsity")
     if s:
         rows.append(("sparsity", f"{s.get('format')} {s.get('sparsity_structure')}, {s.get('global_sparsity')} over "
@@ -604,7 +618,7 @@ def export_compressed_tensors(source, out_dir, ctype: str = "auto", exact: bool 
     from compressed_tensors.compressors import ModelCompressor
 
     qconfig = quantization_config(plan, linears)
-    sconfig = sparsity_config(plan, src.artifact.manifest.get("recipe"))
+    sparsity = sparsity_record(plan, src.artifact.manifest.get("recipe"))
     notes = []
     if any(p["kind"] == "pruned+quantized" for p in plan.values()):
         notes.append("pruned and quantized linears are pack-quantized with pruned weights at their zero point "
@@ -614,17 +628,17 @@ def export_compressed_tensors(source, out_dir, ctype: str = "auto", exact: bool 
                      "vLLM gain no speed from unstructured sparsity")
     with atomic_directory(out_dir, overwrite=overwrite, manifest=EXPORT_MANIFEST) as tmp:
         _copy_beside(src.path, tmp)
-        report_layers = _write_tensors(src, plan, qconfig, tmp)
+        report_layers = _write_tensors(src, plan, tmp)
         if qconfig is not None:  # a pruned-only model: a plain checkpoint (see the module's docstring)
-            ModelCompressor(quantization_config=qconfig, sparsity_config=sconfig).update_config(str(tmp))
+            ModelCompressor(quantization_config=qconfig).update_config(str(tmp))
         verification = verify_against_artifact(tmp, src, plan, probe) if verify else None
         kinds = [k for k, present in (("pack-quantized", qconfig is not None), ("dense", qconfig is None),
-                                      ("sparse", sconfig is not None)) if present]
+                                      ("sparse", sparsity is not None)) if present]
         manifest = write_export_manifest(tmp, {
             "format": MANIFEST_FORMAT,
             "source": str(src.path),
             "source_kind": "artifact",
-            "source_manifest_sha256": sha256_file(manifest_path(src.path)),
+            "source_manifest_sha256": src.artifact.manifest_sha256,
             "model_type": src.model_type,
             "type": "+".join(kinds),
             "compressed_tensors": ct.__version__,
@@ -633,7 +647,7 @@ def export_compressed_tensors(source, out_dir, ctype: str = "auto", exact: bool 
             "exact": qconfig is not None and any(r.get("codes_kept") for r in report_layers.values()),
             "layers": report_layers,
             "ignore": list(qconfig.ignore) if qconfig is not None else linears,
-            "sparsity": sconfig.model_dump() if sconfig is not None else None,
+            "sparsity": sparsity,
             "verification": verification,
             "notes": notes,
         }, started)

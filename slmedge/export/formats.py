@@ -118,13 +118,32 @@ FORMATS: Registry = Registry("export format")  # name -> ExportFormat
 
 
 def register_format(name: str, **facts) -> Callable[[Callable[..., dict]], Callable[..., dict]]:
-    """Decorator: register a writer function as the export format ``name`` (a duplicate name is refused)."""
+    """Decorator: register a writer function as the export format ``name`` (a duplicate name is refused).
+
+    The writer registered (and returned, so a direct call is the same) holds its output's lock for the
+    whole write (``fsutil.output_lock``): a second writer of the same output at the same time is refused
+    with the first one's PID and command, before it reads anything, whoever calls it."""
 
     def wrap(write: Callable[..., dict]) -> Callable[..., dict]:
-        FORMATS.add(name, ExportFormat(name=name, write=write, **facts), write.__qualname__)
-        return write
+        locked = one_writer(write)
+        FORMATS.add(name, ExportFormat(name=name, write=locked, **facts), write.__qualname__)
+        return locked
 
     return wrap
+
+
+def one_writer(write: Callable[..., dict]) -> Callable[..., dict]:
+    """``write(source, out, ...)`` holding ``out``'s lock (a caller that holds it already re-enters)."""
+    import functools
+
+    from ..fsutil import output_lock
+
+    @functools.wraps(write)
+    def locked(source, out, *args, **kwargs):
+        with output_lock(out):
+            return write(source, out, *args, **kwargs)
+
+    return locked
 
 
 def unregister_format(name: str) -> None:

@@ -18,17 +18,15 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..compress.artifact import MANIFEST
 from ..compress.quant import QuantSpec
 from ..errors import OutputExistsError, UnsupportedArchitectureError
-from ..fsutil import sha256_file
+from ..fsutil import temp_name
 from ..models.architectures import ARCHITECTURES, Architecture, GGUFLayout
 from ..models.gguf_seal import check_gguf, placeholder_manifest, seal_gguf
 from .errors import ExportError, GGUFExportError, GGUFVerificationError
@@ -229,8 +227,10 @@ def _auto_qtype(layers) -> str:
     return max(counts, key=counts.get)
 
 
-def _tmp_name(out: Path, tag: str = "") -> Path:
-    return out.with_name(f".slmedge-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}{tag}-{out.name}")
+def _tmp_name(out: Path, kind: str = "file") -> Path:
+    """Where the file is written before it becomes ``out`` (``stage``: llama.cpp's quantizer's input);
+    what a killed export leaves there, the next writer in the folder removes (``fsutil.remove_stale``)."""
+    return temp_name(out, kind)
 
 
 def _report_rows(report: dict) -> list[tuple[str, str]]:
@@ -387,7 +387,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         "format": "slmedge-gguf-export",
         "source": str(src.path),
         "source_kind": "artifact" if src.artifact is not None else "hf_dir",
-        "source_manifest_sha256": sha256_file(src.path / MANIFEST) if src.artifact is not None else None,
+        "source_manifest_sha256": src.artifact.manifest_sha256 if src.artifact is not None else None,
         "recipe": (src.artifact.manifest.get("recipe") if src.artifact is not None else None),
         "qtype": target.name,
         "tensors": {n: {k: v for k, v in t.items() if k in ("type", "codes_kept", "grid", "sparsity", "requantized_because")}
@@ -395,7 +395,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
     }
     ftype = gguf.LlamaFileType[target.ftype]
     tmp = _tmp_name(out)
-    stage = _tmp_name(out, "-stage") if requant else None
+    stage = _tmp_name(out, "stage") if requant else None
     try:
         writer = gguf.GGUFWriter(str(stage or tmp), gguf.MODEL_ARCH_NAMES[arch_enum])
         writer.add_name(model_name(src))

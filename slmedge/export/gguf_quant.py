@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..compress.quant import QuantSpec
+from ..procs import native
 from .errors import GGUFExportError
 
 BLOCK = 32  # values per block along the input dimension, for every type written here
@@ -129,7 +130,7 @@ def llamacpp_quantize(src_path: Path, dst_path: Path, qtype: QType, n_threads: i
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{qtype.ftype}")
     params.nthread = n_threads or max(1, os.cpu_count() or 1)
     params.allow_requantize = False  # tensors already holding codes are copied, never re-quantized
-    with quiet_native_stderr():
+    with quiet_native_stderr(), native("llama.cpp's quantizer", src_path):
         rc = llama_cpp.llama_model_quantize(str(src_path).encode(), str(dst_path).encode(), params)
     if rc != 0:
         raise GGUFExportError(f"llama.cpp's quantizer failed ({rc}) to write {qtype.name}")

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArtifactError, SlmedgeError, brief
+from ..models.remote_code import refuse_code
 from ..fsutil import check_seal, sha256_file
 from ..models.artifact_format import MANIFEST, is_artifact
 from ..models.gguf_seal import MANIFEST_KEY
@@ -30,6 +31,8 @@ def inspect_path(path) -> dict:
     p = Path(path)
     if not p.exists():
         raise InspectError(f"{p} does not exist")
+    if p.is_dir():
+        refuse_code(p)  # a folder whose configuration names code is refused before anything reads it
     formats = [f for f in FORMATS.values() if f.inspect is not None]
     name = format_for_path(p)  # by suffix, by a look inside a folder, or by a file's first bytes
     found = FORMATS[name] if name is not None and FORMATS[name].inspect is not None else None
@@ -98,7 +101,11 @@ def verified_export_manifest(path, label: str) -> dict | None:
         return None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise ArtifactError(f"{folder / EXPORT_MANIFEST} is not an slmedge export manifest")
-    check_seal(manifest, folder / EXPORT_MANIFEST, ArtifactError)
+    # Every folder export's manifest was written sealed (ONNX since seals came, 9705866; the later
+    # formats from their start): an unsealed one had its seal removed. (The ONNX exports of the
+    # development builds of 2026-11-30 and -12-01 before that commit, never released, are refused too:
+    # nothing tells them from an edited one; export them again.)
+    check_seal(manifest, folder / EXPORT_MANIFEST, ArtifactError, required=True)
     for name, info in sorted(manifest["files"].items()):
         f = folder / name
         if not f.is_file():

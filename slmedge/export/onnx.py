@@ -1,9 +1,10 @@
-"""ONNX export: optimum writes the decoder with KV cache; the artifact's codes become MatMulNBits.
+"""ONNX export: the decoder traced with its KV cache; the artifact's codes become MatMulNBits.
 
-optimum's exporter (``text-generation-with-past``) writes the graph that ``ORTModelForCausalLM``
-loads: ``input_ids``, ``attention_mask``, ``position_ids`` (not for Gemma) and
-``past_key_values.N.key/value`` in, ``logits`` and ``present.N.key/value`` out. What optimum
-and onnxruntime cannot do is place calibrated integer codes, so that step is ours:
+The graph (``onnx_stub.trace_decoder``, torch.onnx's TorchScript exporter around the model) takes
+``input_ids``, ``attention_mask``, ``position_ids`` and ``past_key_values.N.key/value`` and gives
+``logits`` and ``present.N.key/value``: the layout onnxruntime, onnxruntime-genai and optimum's
+``ORTModelForCausalLM`` read. What no exporter does is place calibrated integer codes, so that step
+is ours:
 
 - every ``MatMul`` whose weight is a compressed linear (found by its node name, checked by value
   against the artifact's dequantized weight) becomes ``com.microsoft::MatMulNBits`` with
@@ -36,7 +37,7 @@ import numpy as np
 from ..compress.quant import QuantSpec, pack_codes
 from ..errors import UnsupportedArchitectureError
 from ..fsutil import atomic_directory, check_output_dir, sealed, sha256_file, write_json_atomic
-from ..models.artifact_format import manifest_path
+from ..procs import native
 from .errors import ONNXExportError, ONNXVerificationError  # noqa: F401 - re-exported
 from .formats import get_format, register_format
 from .inspect import (EXPORT_MANIFEST, inspect_onnx, is_onnx_folder, onnx_model_facts, onnx_model_files, onnx_rows,
@@ -62,23 +63,11 @@ TOLERANCES: dict[str, dict[str, float]] = {
 
 
 def onnx_architectures() -> list[str]:
-    """slmedge's architectures that optimum can export as text-generation-with-past."""
-    import optimum.exporters.onnx.model_configs  # noqa: F401 - registers the ONNX configs
-    from optimum.exporters.tasks import TasksManager
-
+    """slmedge's architectures the ONNX export traces: every one in the table (the trace is the model's own
+    forward; tests/test_export_onnx.py exports, runs and checks each one's tiny model)."""
     from ..models.architectures import ARCHITECTURES
 
-    out = []
-    for model_type in ARCHITECTURES:
-        for name in (model_type, model_type.replace("_", "-")):
-            try:
-                tasks = TasksManager.get_supported_tasks_for_model_type(name, "onnx", library_name="transformers")
-            except (KeyError, ValueError):
-                continue
-            if "text-generation-with-past" in tasks:
-                out.append(model_type)
-                break
-    return out
+    return list(ARCHITECTURES)
 
 
 # --- codes -> MatMulNBits ---------------------------------------------------------------------
@@ -189,7 +178,7 @@ def ort_quantize_matmuls(model, bits: int, block_size: int, symmetric: bool, acc
                                           bits=bits)
     quant = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
                                  accuracy_level=accuracy_level, nodes_to_exclude=exclude or [], algo_config=config)
-    with warnings.catch_warnings(), _quiet_root_logger():
+    with warnings.catch_warnings(), _quiet_root_logger(), native("onnxruntime's quantizer", "the ONNX model being exported"):
         warnings.simplefilter("ignore")
         quant.process()
     return quant.model.model
@@ -233,69 +222,35 @@ def _save(model, path: Path) -> None:
         onnx.save_model(model, str(path))
 
 
-def _optimum_export(src_path: Path, config, out: Path, fp16: bool):
-    """optimum's text-generation-with-past export of ``src_path`` into ``out``; returns the graph
-    (``onnx.ModelProto``), its linears' stubs and the tied ones (``onnx_stub``).
+# The files of a model folder that an ONNX export carries beside the graph: the model's config and its tokenizer.
+_BESIDE = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+           "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 
-    The model optimum traces holds no linear weight (``onnx_stub.build_stub_model``): each linear
-    is a stub in the graph, and the caller places its weight or codes one at a time, so the model
-    is never whole, in fp32 or otherwise (a compact artifact has no dense weights at all). A
-    folder without safetensors weights (``.bin`` only) is exported by ``main_export`` as it is:
-    no stubs, every weight already in the graph."""
+
+def trace_export(src_path: Path, config, out: Path, fp16: bool):
+    """The decoder of ``src_path`` traced into ``out/model.onnx`` (its config and tokenizer files copied
+    beside it); returns the graph (``onnx.ModelProto``), its linears' stubs, the linears and the tied ones.
+
+    The model traced holds no linear weight (``onnx_stub.build_stub_model``): each linear is a stub in the
+    graph, and the caller places its weight or codes one at a time, so the model is never whole, in fp32
+    or otherwise (a compact artifact has no dense weights at all)."""
     import onnx
-    from optimum.exporters.onnx import main_export
+    import torch
 
-    from .onnx_stub import find_stubs
+    from .onnx_stub import build_stub_model, find_stubs, trace_decoder
     from .source import weight_files
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from transformers.utils import logging as hf_logging
-
-        level = logging.getLogger("optimum").level
-        hf_level = hf_logging.get_verbosity()
-        logging.getLogger("optimum").setLevel(logging.ERROR)
-        hf_logging.set_verbosity_error()
-        try:
-            try:
-                weight_files(src_path)
-                has_safetensors = True
-            except Exception:  # noqa: BLE001 - ExportError: no safetensors weights
-                has_safetensors = False
-            if has_safetensors:
-                linears, tied = _export_stubs(src_path, config, out, fp16)
-            else:
-                main_export(str(src_path), output=str(out), task="text-generation-with-past", device="cpu",
-                            dtype="fp16" if fp16 else "fp32", do_validation=False, trust_remote_code=False)
-                linears, tied = {}, {}
-        finally:
-            logging.getLogger("optimum").setLevel(level)
-            hf_logging.set_verbosity(hf_level)
-    model = onnx.load(str(out / "model.onnx"), load_external_data=True)
-    return model, (find_stubs(model, linears) if linears else {}), linears, tied
-
-
-def _export_stubs(src_path: Path, config, out: Path, fp16: bool):
-    """What ``main_export`` does after loading the model (optimum 2.x), from the stub model."""
-    import torch
-    from optimum.exporters.onnx.convert import onnx_export_from_model
-    from optimum.exporters.tasks import TasksManager
-    from optimum.utils.save_utils import maybe_load_preprocessors
-
-    model, linears, tied = _build_stub_model(src_path, config, torch.float16 if fp16 else torch.float32)
-    TasksManager.standardize_model_attributes(model, library_name="transformers")
-    model.config.use_cache = True
-    preprocessors = maybe_load_preprocessors(str(src_path), trust_remote_code=False)
-    onnx_export_from_model(model=model, output=str(out), task="text-generation-with-past", device="cpu",
-                           do_validation=False, preprocessors=preprocessors)
+    weight_files(src_path)  # safetensors weights, or the export is refused (pickled weights are never read)
+    out.mkdir(parents=True, exist_ok=True)
+    model, linears, tied = build_stub_model(src_path, config, torch.float16 if fp16 else torch.float32,
+                                            lambda names: iter_weights(src_path, names))
+    trace_decoder(model, out / "model.onnx")
     del model
-    return linears, tied
-
-
-def _build_stub_model(src_path: Path, config, dtype):
-    from .onnx_stub import build_stub_model
-
-    return build_stub_model(src_path, config, dtype, lambda names: iter_weights(src_path, names))
+    for name in _BESIDE:
+        if (src_path / name).is_file():
+            shutil.copyfile(src_path / name, out / name)
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=True)
+    return graph, find_stubs(graph, linears), linears, tied
 
 
 def place_weights(model, stubs: dict, layers: list[str], src_path: Path, tied: dict) -> None:
@@ -393,7 +348,7 @@ def _model_file(path) -> Path:
                  folder_holds="model, config, tokenizer", default_stem="{model}-onnx-{type}",
                  complete=lambda out: (Path(out) / EXPORT_MANIFEST).is_file(), read_manifest=read_onnx_manifest,
                  verified_manifest=verified_onnx_manifest, model_file=_model_file, model_files=onnx_model_files,
-                 model_facts=onnx_model_facts, tokenizer="beside", packages=("onnx", "optimum"),
+                 model_facts=onnx_model_facts, tokenizer="beside", packages=("onnx", "onnxruntime"),
                  types=ONNX_TYPES, tolerances=TOLERANCES, options=("block_size", "accuracy_level", "keep_fp32_head"),
                  error=ONNXExportError, report_rows=_report_rows, inspect=inspect_onnx, inspect_rows=onnx_rows,
                  recognizes=is_onnx_folder)
@@ -462,9 +417,9 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
             notes.append(msg)
     to_place = set(keep)  # the linears whose codes are placed (read one at a time by place_codes)
     with atomic_directory(out_dir, overwrite=overwrite, manifest=EXPORT_MANIFEST) as tmp:
-        stage = tmp / ".optimum"
+        stage = tmp / ".trace"
         fp16 = key == "fp16"
-        model, stubs, linears, tied = _optimum_export(src.path, src.config, stage, fp16=fp16)
+        model, stubs, linears, tied = trace_export(src.path, src.config, stage, fp16=fp16)
         unknown = sorted(set(to_place) - set(stubs))
         if unknown:
             raise ONNXExportError(f"the artifact has codes for {unknown[0]} but the ONNX graph has no such MatMul")
@@ -501,7 +456,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
 
             plain = tmp / ".plain.onnx"
             _save(model, plain)
-            with warnings.catch_warnings(), _quiet_root_logger():
+            with warnings.catch_warnings(), _quiet_root_logger(), native("onnxruntime's quantizer", plain):
                 warnings.simplefilter("ignore")
                 quantize_dynamic(str(plain), str(final), weight_type=QuantType.QInt8, per_channel=True,
                                  use_external_data_format=plain.with_name(plain.name + "_data").exists())
@@ -514,9 +469,9 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
         else:
             _save(model, final)
         del model
-        for f in stage.iterdir():
-            if f.suffix in (".json", ".txt", ".model", ".jinja") or f.name == "tokenizer.json":
-                shutil.move(str(f), tmp / f.name)
+        for name in _BESIDE:
+            if (stage / name).is_file():
+                shutil.move(str(stage / name), tmp / name)
         shutil.rmtree(stage)
         kept = sum(1 for r in report_layers.values() if r.get("codes_kept"))
         kind = key if key in ("fp32", "fp16") else ("kept" if has_codes and kept and key in ("int4", "int8")
@@ -531,7 +486,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
             "format": "slmedge-onnx-export",
             "source": str(src.path),
             "source_kind": "artifact" if src.artifact is not None else "hf_dir",
-            "source_manifest_sha256": sha256_file(manifest_path(src.path)) if src.artifact is not None else None,
+            "source_manifest_sha256": src.artifact.manifest_sha256 if src.artifact is not None else None,
             "model_type": src.model_type,
             "type": key,
             "exact": bool(has_codes and kept and kept == len(report_layers) and key in ("int4", "int8")),

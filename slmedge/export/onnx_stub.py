@@ -1,28 +1,28 @@
 """The ONNX graph without the model's linear weights, and the weights placed into it one at a time.
 
-optimum's exporter traces a torch model: with the model whole, a 3.8B decoder costs its fp32
-copy (15 GB), torch.onnx's constant-folded transposes of every weight and the serialized proto
-(as much again), optimum's reload of the file, the tied-weight pass's second reload... about five
-times the fp32 model (measured: 10.3 GB peak for Qwen2.5-0.5B's 494 M parameters). None of that
-is needed to get the graph: the trace only needs the shapes. So the model optimum traces here
-has every ``nn.Linear`` replaced by a :class:`StubLinear`, which holds no weight (its bias, if
-any, stays a real parameter): in the trace it returns zeros of the output's shape, and in the
-ONNX graph it is ``MatMul(x, Expand(0, [in, out]))``, a valid graph (optimum's own
-session on the file loads it) that holds no weight bytes. Everything else (embeddings, norms,
-biases, rotary buffers) is read from the source as the full model would have it; the rest of
-the graph (node names included: ``/model/layers.0/self_attn/q_proj/MatMul``) is what the full
-model's trace gives.
+The decoder is traced with torch.onnx's TorchScript exporter around the model itself, its KV cache
+made explicit (:func:`trace_decoder`): ``input_ids``, ``attention_mask``, ``position_ids`` and
+``past_key_values.N.key/value`` in; ``logits`` and ``present.N.key/value`` out, present being the
+past with the new positions appended (the layout onnxruntime-genai's builder and optimum's exporter
+also write). The trace needs only the shapes, and a model whole costs its fp32 copy, torch.onnx's
+constant-folded transposes of every weight and the serialized proto (about five times the fp32
+model). So the traced model has every ``nn.Linear`` replaced by a :class:`StubLinear`, which holds no
+weight (its bias, if any, stays a real parameter): in the trace it returns zeros of the output's
+shape, and in the ONNX graph it is ``MatMul(x, Expand(0, [in, out]))``, a valid graph that holds no
+weight bytes. Everything else (embeddings, norms, biases, rotary buffers) is read from the source as
+the full model would have it; node names are the modules' (``/model/layers.0/self_attn/q_proj/MatMul``).
 
 Then each stub becomes, in place, either ``MatMulNBits`` built from the artifact's codes (read
 one linear at a time from ``quantization.safetensors``), or a ``MatMul`` with the linear's
 transposed weight read from the source (fp32, or fp16 for an fp16 export) as an initializer,
 exactly the constant torch.onnx folds from the whole model; a tied head reads the embedding
-through a ``Transpose`` as optimum's tied-weight pass writes it. Peak memory is the interpreter,
-the small tensors, the largest single linear and what the file itself holds.
+through a ``Transpose``. Peak memory is the interpreter, the small tensors, the largest single
+linear and what the file itself holds.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -87,7 +87,9 @@ def build_stub_model(path: Path, config, dtype, read_tensors):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+        # eager attention: its mask is built for every input (sdpa may leave it out when a traced input
+        # happens to need none, and the graph would then never mask)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     tied = {}
     if getattr(config, "tie_word_embeddings", False):
         out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
@@ -120,9 +122,67 @@ def build_stub_model(path: Path, config, dtype, read_tensors):
         raise ONNXExportError(f"{still[0]} of {path} was not loaded")
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(path))
-    model.config._name_or_path = str(path)  # optimum copies the tokenizer from there
+    model.config._name_or_path = str(path)
     model.eval()
     return model, linears, tied
+
+
+# What the traced decoder takes and gives (names as optimum's exporter and onnxruntime-genai's builder write them).
+INPUTS = ("input_ids", "attention_mask", "position_ids")
+PAST = "past_key_values.{}.{}"
+PRESENT = "present.{}.{}"
+
+
+def trace_decoder(model, path: Path, opset: int = 17) -> None:
+    """Trace ``model`` (a causal LM, usually :func:`build_stub_model`'s) into the ONNX file ``path`` with its
+    KV cache as inputs and outputs, every length dynamic (batch, new tokens, past tokens).
+
+    The model's own forward runs inside, on a ``DynamicCache`` filled from the past inputs (one full
+    layer per decoder block: sliding-window layers are given the whole past and mask it, so present is
+    always the past plus the new positions, for every layer)."""
+    import torch
+    from transformers import DynamicCache
+
+    config = model.config
+    layers = int(config.num_hidden_layers)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    dtype = next(t.dtype for t in model.parameters() if t.is_floating_point())
+    class_forward = type(model).forward
+
+    def flat_forward(input_ids, attention_mask, position_ids, *past):
+        cache = DynamicCache()
+        for i in range(layers):
+            cache.update(past[2 * i], past[2 * i + 1], i)
+        out = class_forward(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=cache, use_cache=True)
+        present = []
+        for layer in out.past_key_values.layers:
+            present += [layer.keys, layer.values]
+        return (out.logits, *present)
+
+    kv = [(i, which) for i in range(layers) for which in ("key", "value")]
+    inputs = [*INPUTS, *(PAST.format(i, w) for i, w in kv)]
+    outputs = ["logits", *(PRESENT.format(i, w) for i, w in kv)]
+    axes = {"input_ids": {0: "batch_size", 1: "sequence_length"},
+            "attention_mask": {0: "batch_size", 1: "total_sequence_length"},
+            "position_ids": {0: "batch_size", 1: "sequence_length"},
+            "logits": {0: "batch_size", 1: "sequence_length"}}
+    axes.update({PAST.format(i, w): {0: "batch_size", 2: "past_sequence_length"} for i, w in kv})
+    axes.update({PRESENT.format(i, w): {0: "batch_size", 2: "total_sequence_length"} for i, w in kv})
+    batch, new, old = 2, 5, 3  # lengths of the example inputs; each is a dynamic axis of the graph
+    ids = torch.randint(0, int(config.vocab_size), (batch, new), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(batch, old + new, dtype=torch.int64)
+    positions = torch.arange(old, old + new).expand(batch, new)
+    past = [torch.zeros(batch, kv_heads, old, head_dim, dtype=dtype) for _ in kv]
+    model.forward = flat_forward  # an instance attribute: nn.Module.__call__ finds it first
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the TorchScript tracer's notes on Python values it records
+            torch.onnx.export(model, (ids, mask, positions, *past), str(path), input_names=inputs, output_names=outputs,
+                              dynamic_axes=axes, opset_version=opset, dynamo=False, do_constant_folding=True)
+    finally:
+        del model.forward
 
 
 def module_of(node) -> str | None:
@@ -213,7 +273,7 @@ def replace_stubs(model, stubs: dict, replacements: dict) -> None:
 
 def weight_replacement(stub: Stub, layer: str, weight_t: np.ndarray | None, tied_to: str | None = None):
     """A stub's MatMul with the (in, out) weight ``weight_t`` as an initializer, or for a tied head
-    the embedding ``tied_to`` through a Transpose (optimum's tied-weight layout; then a Cast where
+    the embedding ``tied_to`` through a Transpose (then a Cast where
     the MatMul multiplies in another type than the embedding's)."""
     from onnx import helper, numpy_helper
 

@@ -1,18 +1,18 @@
 """onnxruntime-genai export: the ONNX export (``export.onnx``), plus what onnxruntime-genai's
 ``Model`` reads beside it.
 
-The decoder is written by ``export_onnx`` as it is, byte for byte (optimum's graph, the artifact's
+The decoder is written by ``export_onnx`` as it is, byte for byte (the traced graph, the artifact's
 codes as MatMulNBits, verified against torch's logits); this module adds ``genai_config.json``
 and checks the folder in genai's own generation loop. The config says what genai cannot guess:
 
 - the model type (its ``config.json``'s), context length, vocabulary, special tokens (BOS, EOS,
   pad, from ``config.json`` and ``generation_config.json``);
-- the decoder's inputs and outputs as the graph names them: optimum's ``input_ids``,
-  ``attention_mask``, ``position_ids`` (absent in Gemma exports), ``past_key_values.%d.key/value``
+- the decoder's inputs and outputs as the graph names them: ``input_ids``,
+  ``attention_mask``, ``position_ids`` (optimum's Gemma exports have none), ``past_key_values.%d.key/value``
   in, ``logits`` and ``present.%d.key/value`` out (genai's builder writes the same names); the
   KV cache laid out (batch, kv heads, sequence, head size), head size and KV heads read from the
   graph's cache inputs;
-- ``past_present_share_buffer: false``: optimum's graph concatenates the past with the new
+- ``past_present_share_buffer: false``: the graph concatenates the past with the new
   positions (present is past + T long), it does not write into a buffer of the maximum length.
 
 Verification (besides the ONNX export's own): the probe's greedy tokens from genai's Generator
@@ -129,7 +129,7 @@ def _token_id(value):
 
 
 def genai_config(folder: Path, model_name: str = "model.onnx") -> dict:
-    """What onnxruntime-genai needs to run the decoder ``folder/model_name`` (an optimum export)."""
+    """What onnxruntime-genai needs to run the decoder ``folder/model_name`` (an slmedge ONNX export)."""
     io = _graph_io(folder / model_name)
     cfg = _read_json(folder / "config.json")
     gen = _read_json(folder / "generation_config.json")
@@ -179,7 +179,7 @@ def genai_config(folder: Path, model_name: str = "model.onnx") -> dict:
             "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
             "max_length": context, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
             "num_return_sequences": 1,
-            "past_present_share_buffer": False,  # optimum's present = concat(past, new): no shared buffer
+            "past_present_share_buffer": False,  # present = concat(past, new): no shared buffer
             "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1, "top_p": 1.0,
         },
     }
@@ -352,7 +352,7 @@ def _kind(report: dict) -> str:
                  default_stem="{model}-genai-{type}", complete=_complete, read_manifest=read_genai_manifest,
                  verified_manifest=verified_genai_manifest, model_file=genai_model_file,
                  model_files=genai_model_files, model_facts=genai_model_facts, tokenizer="beside",
-                 packages=("onnx", "optimum", "onnxruntime-genai"), types=TYPES, tolerances=TOLERANCES,
+                 packages=("onnx", "onnxruntime", "onnxruntime-genai"), types=TYPES, tolerances=TOLERANCES,
                  options=("block_size", "accuracy_level", "keep_fp32_head"), error=GenaiExportError,
                  report_rows=_report_rows, inspect=inspect_genai, inspect_rows=genai_rows,
                  recognizes=is_genai_folder, magic=MAGIC)

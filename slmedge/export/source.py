@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..compress.artifact import MANIFEST, QUANT_FILE, Artifact
 from ..models.artifact_format import is_artifact, is_compact
+from ..models.remote_code import refuse_code
 from ..errors import brief
 from .errors import ExportError
 
@@ -114,6 +115,7 @@ def open_export_source(source, lazy_layers: bool = False) -> ExportSource:
     elif not (path / "config.json").is_file():
         raise ExportError(f"{path} is neither an slmedge artifact (no {MANIFEST}) nor a Hugging Face folder "
                           "(no config.json)")
+    refuse_code(path)  # before transformers reads the folder
     try:
         config = AutoConfig.from_pretrained(str(path))
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds

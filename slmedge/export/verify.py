@@ -11,6 +11,7 @@ from typing import Mapping
 
 import numpy as np
 
+from ..models.architectures import exact_attention
 from .errors import ExportVerificationError
 
 
@@ -43,7 +44,7 @@ def torch_model(path: Path, dtype=None):
         from ..models.artifact_weights import load_model
 
         return load_model(path, dtype)
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return exact_attention(AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype))
 
 
 def torch_logits(path: Path, ids: list[int]) -> np.ndarray:

@@ -156,3 +156,14 @@ def architecture_for(config) -> Architecture:
             f"architecture '{model_type}' is not supported; supported: {supported()}"
         )
     return ARCHITECTURES[model_type]
+
+
+def exact_attention(model):
+    """``model`` computing attention as its configuration says: a config with attention logit soft-capping
+    (Gemma 2) gets the eager implementation, the only one of transformers' that applies the cap (its default,
+    sdpa, leaves it out; llama.cpp applies it). Returns the model."""
+    if getattr(model.config, "attn_logit_softcapping", None) and \
+            getattr(model.config, "_attn_implementation", None) != "eager":
+        model.set_attn_implementation("eager")
+    return model
+

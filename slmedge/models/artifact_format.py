@@ -23,6 +23,11 @@ WEIGHTS_FILE = "weights.safetensors"
 V1_WEIGHTS_FILE = "model.safetensors"
 FORMAT = "slmedge-artifact"
 FORMAT_VERSION = 2
+# Every manifest of this format version or later was written sealed (``manifest_sha256``: seals came
+# in 9705866, before version 2 in f8cf15b): one without its seal had it removed, and is refused.
+# Version 1 manifests were written both before seals existed and after; an unsealed one still opens
+# (its per-layer facts and format version must then agree with its checksummed quantization file).
+SEALED_SINCE = 2
 
 
 def manifest_path(path) -> Path:
@@ -57,7 +62,11 @@ def read_manifest(path) -> dict:
     never read, since removed) is dropped, a non-empty one is kept so that building a Recipe from
     it fails loudly.
     """
-    manifest = json.loads(manifest_path(path).read_text(encoding="utf-8"))
+    return _parsed(manifest_path(path).read_bytes())
+
+
+def _parsed(raw: bytes):
+    manifest = json.loads(raw.decode("utf-8"))
     recipe = manifest.get("recipe") if isinstance(manifest, dict) else None
     if isinstance(recipe, dict) and recipe.get("extra", None) == {}:
         del recipe["extra"]
@@ -66,15 +75,26 @@ def read_manifest(path) -> dict:
 
 def open_manifest(path, verify: bool = True) -> dict:
     """The manifest of the artifact at ``path``, checked: a complete slmedge artifact and (with
-    ``verify``) every file it lists matching its sha256. Raises ArtifactError saying what is wrong."""
+    ``verify``) sealed where its format version always is, its seal matching, every file it lists
+    matching its sha256. Raises ArtifactError saying what is wrong."""
+    return open_manifest_bytes(path, verify)[0]
+
+
+def open_manifest_bytes(path, verify: bool = True) -> tuple[dict, str]:
+    """``open_manifest``, and the sha256 of the very bytes it parsed and checked: what an export
+    records as its source's manifest (``source_manifest_sha256``), so that a manifest replaced after
+    it was checked is never the one named."""
+    import hashlib
+
     path = Path(path)
     if not path.is_dir():
         raise ArtifactError(f"{path} is not an artifact directory")
     mpath = manifest_path(path)
     if not mpath.is_file():
         raise ArtifactError(f"{path} is incomplete: it has no {MANIFEST} (was the run that wrote it interrupted?)")
+    raw = mpath.read_bytes()
     try:
-        manifest = read_manifest(path)
+        manifest = _parsed(raw)
     except ValueError as exc:
         raise ArtifactError(f"{mpath} is not valid JSON: the artifact is corrupt") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -83,10 +103,17 @@ def open_manifest(path, verify: bool = True) -> dict:
         raise ArtifactError(f"{path} is an artifact of format version {format_version(manifest)}; this slmedge "
                             f"reads versions 1 to {FORMAT_VERSION}: upgrade slmedge")
     if verify:
-        check_seal(manifest, mpath, ArtifactError)
+        check_manifest_seal(path, manifest)
         verify_files(path, manifest)
         _check_layers(path, manifest)
-    return manifest
+    return manifest, hashlib.sha256(raw).hexdigest()
+
+
+def check_manifest_seal(path, manifest: dict) -> None:
+    """The artifact manifest's seal alone (no file read): present where its format version is always
+    sealed (``SEALED_SINCE``), and matching its content. The cheap check before a manifest's content is
+    used without opening the artifact (a study's model list, the base model an export names)."""
+    check_seal(manifest, manifest_path(path), ArtifactError, required=format_version(manifest) >= SEALED_SINCE)
 
 
 def quant_metadata(path) -> dict | None:
@@ -131,6 +158,13 @@ def _check_layers(path: Path, manifest: dict) -> None:
     if meta is not None and "layers" in meta and meta["layers"] != manifest.get("layers"):
         raise ArtifactError(f"{manifest_path(path)} disagrees with {QUANT_FILE} about the compressed layers "
                             "(was the manifest edited?): the artifact cannot be trusted; compress again")
+    # The quantization file records the format version it was written in (every version did): a
+    # manifest that says otherwise was edited, such as a sealed format's version lowered to pass unsealed.
+    written = meta.get("version") if isinstance(meta, dict) else None
+    if isinstance(written, int) and written != format_version(manifest):
+        raise ArtifactError(f"{manifest_path(path)} says format version {format_version(manifest)}, but {QUANT_FILE} "
+                            f"was written in version {written} (was the manifest edited?): the artifact cannot be "
+                            "trusted; compress again")
     if format_version(manifest) >= 2:
         weights = weights_metadata(path)
         rebuilt = weights.get("rebuilt") if isinstance(weights, dict) else None

@@ -25,6 +25,7 @@ from typing import Iterator
 
 from ..errors import ArtifactError
 from .artifact_format import QUANT_FILE, WEIGHTS_FILE, quant_metadata, safetensors_header, weights_metadata
+from .architectures import exact_attention
 
 KEPT_SUFFIX = ".kept"  # <tensor name>.kept: a pruned-only linear's kept values, row-major
 
@@ -105,9 +106,9 @@ def load_model(path, dtype=None):
                                 dtype=dtype if dtype is not None else torch.float32, low_cpu_mem_usage=True)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(path))
-    model.config._name_or_path = str(path)  # as from_pretrained(path) says (optimum copies the tokenizer from there)
+    model.config._name_or_path = str(path)  # as from_pretrained(path) says
     model.eval()
-    return model
+    return exact_attention(model)
 
 
 def materialize(path, dest) -> Path:

@@ -52,7 +52,13 @@ def compare_logits(reference: np.ndarray, candidate: np.ndarray) -> dict:
 
 def llamacpp_logits(gguf_path, token_ids: list[int], n_threads: int | None = None) -> np.ndarray:
     from ..backends.llamacpp import load_llama
+    from ..procs import native
 
+    with native("llama.cpp", gguf_path):
+        return _logits(load_llama, gguf_path, token_ids, n_threads)
+
+
+def _logits(load_llama, gguf_path, token_ids: list[int], n_threads: int | None) -> np.ndarray:
     with quiet_native_stderr():
         llm = load_llama(
             gguf_path,

@@ -6,8 +6,14 @@ the manifest records ``file_sha256``: the sha256 of every byte of the file excep
 string's own bytes. The writer leaves fixed-width placeholders in the manifest, hashes the
 finished file around them, and writes the real values in place (the string keeps its length, so
 no offset moves). A reader hashes the same bytes and compares; the manifest's content is covered
-by its seal (``manifest_sha256``, see ``slmedge.fsutil.check_seal``). A GGUF without the key (one
-slmedge did not write, or wrote before this) has nothing to check and passes.
+by its seal (``manifest_sha256``, see ``slmedge.fsutil.check_seal``). A GGUF without the metadata key
+(one slmedge did not write) has nothing to check and passes; one whose manifest lacks either digest
+is refused: every GGUF slmedge released wrote both (the unsealed manifests of the development builds
+before 9705866, 2026-12-01, cannot be told from a manifest whose seal was removed).
+
+``check_gguf`` is the one place that decides a GGUF slmedge wrote was modified since: it raises
+``ModifiedGGUFError`` for that alone (its manifest intact, its bytes not), e.g. a file re-quantized
+by llama-quantize from slmedge's export, which carries the export's manifest along.
 
 It lives with the models because a GGUF is also a model source (``models.source`` imports one).
 """
@@ -23,6 +29,11 @@ from ..fsutil import SEAL_KEY, check_seal, sealed
 MANIFEST_KEY = "slmedge.manifest"  # the metadata key holding an slmedge GGUF export's manifest
 FILE_KEY = "file_sha256"
 PLACEHOLDER = "0" * 64  # a sha256's width: the real value replaces it in place
+
+
+class ModifiedGGUFError(ArtifactError):
+    """A GGUF carries slmedge's manifest, intact and sealed, but its bytes are no longer those slmedge
+    wrote (``check_gguf``)."""
 
 
 def placeholder_manifest(manifest: dict) -> dict:
@@ -157,6 +168,10 @@ def seal_gguf(path) -> dict:
     if span is None:
         raise ArtifactError(f"{path} has no {MANIFEST_KEY} to seal")
     start, length, manifest = span
+    # Sealed only as the writer left it: both digests still placeholders. A manifest with anything
+    # else there was not written by this export, and is never sealed from what it says.
+    if not isinstance(manifest, dict) or manifest.get(FILE_KEY) != PLACEHOLDER or manifest.get(SEAL_KEY) != PLACEHOLDER:
+        raise ArtifactError(f"cannot seal {path}: its manifest is not one this export left to seal")
     manifest[FILE_KEY] = _digest_around(path, start, length)
     manifest = sealed(manifest)
     text = json.dumps(manifest, sort_keys=True, default=str).encode("utf-8")
@@ -178,9 +193,13 @@ def check_gguf(path) -> dict | None:
     start, length, manifest = span
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{path}: its {MANIFEST_KEY} metadata is not an slmedge manifest")
-    check_seal(manifest, f"the manifest inside {path}", ArtifactError)
+    where = f"the manifest inside {path}"
+    check_seal(manifest, where, ArtifactError, required=True)
     recorded = manifest.get(FILE_KEY)
-    if recorded is not None and recorded != _digest_around(path, start, length):
-        raise ArtifactError(f"checksum mismatch for {path}: the file was modified or is corrupt since slmedge wrote "
-                            "it; export it again")
+    if not isinstance(recorded, str):
+        raise ArtifactError(f"{where} has no {FILE_KEY}, and slmedge writes every GGUF with it: it cannot be "
+                            "trusted; export it again")
+    if recorded != _digest_around(path, start, length):
+        raise ModifiedGGUFError(f"checksum mismatch for {path}: the file was modified or is corrupt since slmedge "
+                                "wrote it; export it again")
     return manifest

@@ -25,10 +25,11 @@ import torch
 
 from ..backends.llamacpp import require_llama_cpp  # noqa: F401 - re-exported
 from ..errors import ModelLoadError, ModelNotFoundError, RuntimeNotInstalledError, SlmedgeError, brief
-from ..fsutil import atomic_directory, sha256_file, write_json_atomic
+from ..fsutil import atomic_directory, output_lock, sha256_file, temp_name, write_json_atomic
 from ..paths import cache_dir
-from .architectures import Architecture, architecture_for
+from .architectures import Architecture, architecture_for, exact_attention
 from .gguf_tokenizer import adds_bos
+from .remote_code import refuse_code, refuse_config
 from .artifact_format import (QUANT_FILE, V1_WEIGHTS_FILE, WEIGHTS_FILE, format_version, is_artifact, open_manifest,
                               safetensors_header)
 
@@ -88,8 +89,17 @@ class LoadedModel:
     hf_dir: Path | None = None
 
 
-def resolve(spec: str | None, revision: str | None = None) -> ModelSource:
-    """Say what kind of source ``spec`` is, or why it is none."""
+def resolve(spec: str | None, revision: str | None = None, trust_remote_code: bool = False) -> ModelSource:
+    """Say what kind of source ``spec`` is, or why it is none. A local folder (or a Hub model's cached
+    snapshot) whose configuration names code to fetch or run is refused here, before anything reads it,
+    unless ``trust_remote_code``."""
+    source = _resolve(spec, revision)
+    if source.path is not None and source.path.is_dir():
+        refuse_code(source.path, trust_remote_code)
+    return source
+
+
+def _resolve(spec: str | None, revision: str | None) -> ModelSource:
     if spec is None or spec.lower() in EMBEDDED:
         name = DEFAULT_MODEL if spec is None else spec.lower()
         return ModelSource("embedded", name)
@@ -205,6 +215,28 @@ def _hub_source(spec: str, revision: str | None) -> ModelSource:
         "or set HF_HUB_OFFLINE=1 and use a cached model")
 
 
+def _hub_config_files(spec: str, revision: str | None) -> Path:
+    """The snapshot folder holding ``spec``'s configuration files (those of ``remote_code.FILES`` it has),
+    downloaded into the local Hugging Face cache: nothing else is fetched, nothing is read but by slmedge."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, RemoteEntryNotFoundError
+
+    from .remote_code import FILES
+
+    folder = None
+    for name in FILES:
+        try:
+            folder = Path(hf_hub_download(spec, name, revision=revision, cache_dir=str(hub_cache_dir()))).parent
+        except (EntryNotFoundError, RemoteEntryNotFoundError):
+            continue
+        except Exception as exc:  # noqa: BLE001 - the network, a wrong id, a gated repository
+            raise ModelNotFoundError(f"could not get {name} of '{spec}' from the Hugging Face Hub ({brief(exc)}); "
+                                     "check the id, your network, or use a local folder") from exc
+    if folder is None:
+        raise ModelNotFoundError(f"'{spec}' on the Hugging Face Hub has no config.json: not a model slmedge can load")
+    return folder
+
+
 # load(dtype=SOURCE_DTYPE): the floating dtype the weights are stored in (``stored_dtype``).
 SOURCE_DTYPE = "source"
 _SAFETENSORS_FLOATS = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
@@ -240,7 +272,7 @@ def load(
 ) -> LoadedModel:
     """Load a model source as (model, tokenizer) on the CPU in ``dtype`` (``SOURCE_DTYPE``: the
     dtype its weights are stored in; a compact artifact's rebuilt weights are fp32)."""
-    source = spec if isinstance(spec, ModelSource) else resolve(spec, revision)
+    source = spec if isinstance(spec, ModelSource) else resolve(spec, revision, trust_remote_code)
     if source.kind == "embedded":
         gguf_path = embedded_gguf_path(source.spec)
         hf_dir = gguf_to_hf_dir(gguf_path, verify=verify_gguf)
@@ -259,6 +291,10 @@ def load(
     else:  # a Hub id: downloaded, or its snapshot in the local cache when the Hub cannot be reached
         hf_dir = source.path
         identity = {"kind": "hub", "id": source.spec, "revision": revision}
+        if hf_dir is None:  # its small configuration files first, checked before transformers reads them
+            refuse_code(_hub_config_files(source.spec, revision), trust_remote_code)
+    if hf_dir is not None:  # the folder transformers will read (a GGUF import's cache, an artifact...)
+        refuse_code(hf_dir, trust_remote_code)
     target = str(hf_dir) if hf_dir is not None else source.spec
     config = _load_config(target, source, revision, trust_remote_code)
     arch = architecture_for(config)
@@ -268,11 +304,11 @@ def load(
     if compact:
         model = _load_compact(hf_dir, dtype)
     else:
-        model = _load_weights(target, source, revision, trust_remote_code, dtype)
+        model = _load_weights(target, source, revision, trust_remote_code, dtype, config)
     tokenizer = _load_tokenizer(target, source, revision, trust_remote_code, getattr(config, "model_type", None))
     if source.kind == "hub":
         identity["revision"] = getattr(config, "_commit_hash", None) or revision
-    model.eval()
+    exact_attention(model).eval()
     return LoadedModel(model, tokenizer, arch, source, identity, hf_dir)
 
 
@@ -325,17 +361,20 @@ def _assembled_gguf(entry: EmbeddedModel) -> Path:
     dest = cache_dir() / "models" / entry.filename
     if dest.is_file():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{entry.filename}.{os.getpid()}.tmp")
     try:
-        importlib.import_module(entry.package).assemble(output_path=tmp, overwrite=True)
-        os.replace(tmp, dest)
+        with output_lock(dest, wait=True):  # one assembly at a time; the second finds the file
+            if dest.is_file():
+                return dest
+            tmp = temp_name(dest, "file")
+            try:
+                importlib.import_module(entry.package).assemble(output_path=tmp, overwrite=True)
+                os.replace(tmp, dest)
+            finally:
+                tmp.unlink(missing_ok=True)
     except OSError as exc:
         raise ModelLoadError(f"cannot assemble {entry.filename} from {entry.package} into {dest.parent}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - missing chunks, checksum mismatch
         raise ModelLoadError(f"the {entry.package} package is broken ({_first_line(exc)}); reinstall it: {entry.pip}") from exc
-    finally:
-        tmp.unlink(missing_ok=True)
     return dest
 
 
@@ -384,18 +423,39 @@ def _load_config(target, source, revision, trust_remote_code):
         raise ModelLoadError(f"cannot read the config of {target}: {_first_line(exc)}") from exc
 
 
-def _load_weights(target, source, revision, trust_remote_code, dtype):
+def decompress_at_load(config) -> dict:
+    """``from_pretrained``'s extra arguments for a checkpoint stored compressed in compressed-tensors'
+    format (slmedge's export, llm-compressor's checkpoints): decompressed to plain weights as it loads.
+    transformers 5 otherwise keeps the packed tensors until the whole model's first forward pass, and a
+    runtime that calls the decoder alone finds no ``weight``. ``dequantize`` is transformers 5.1x's
+    keyword, ``run_compressed=False`` the one before (deprecated since, still honoured); each release
+    ignores the other's."""
+    qc = getattr(config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if method != "compressed-tensors":
+        return {}
+    from transformers import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(run_compressed=False, dequantize=True)}
+
+
+def _load_weights(target, source, revision, trust_remote_code, dtype, config=None):
+    import warnings
+
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(
-            target,
-            revision=revision,
-            trust_remote_code=trust_remote_code,
-            dtype=dtype,
-            use_safetensors=True,
-            low_cpu_mem_usage=True,
-        )
+        with warnings.catch_warnings():  # the loading arguments above replace the checkpoint's: as meant
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+            return AutoModelForCausalLM.from_pretrained(
+                target,
+                revision=revision,
+                trust_remote_code=trust_remote_code,
+                dtype=dtype,
+                use_safetensors=True,
+                low_cpu_mem_usage=True,
+                **decompress_at_load(config),
+            )
     except OSError as exc:
         msg = _first_line(exc)
         if "safetensors" in msg.lower() and ("no file" in msg.lower() or "does not appear" in msg.lower()):
@@ -450,8 +510,6 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     The conversion (transformers' GGUF loader, dequantizing every tensor) takes minutes on a
     small CPU, so its result is kept in the cache, keyed by the file's sha256.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     gguf_path = Path(gguf_path)
     from .gguf_seal import check_gguf
 
@@ -464,6 +522,15 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     libraries = conversion_libraries()
     tag = "-".join(f"{name}{version}" for name, version in libraries.items())
     dest = cache_dir() / "models" / f"gguf-{digest[:16]}-4-{tag}"
+    # One conversion at a time per file: a second process waits, then finds the first one's folder.
+    with output_lock(dest, wait=True):
+        return _converted(gguf_path, dest, digest, verify, libraries)
+
+
+def _converted(gguf_path: Path, dest: Path, digest: str, verify: bool, libraries: dict) -> Path:
+    """``gguf_to_hf_dir`` with the cache folder's lock held."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     if (dest / SOURCE_FILE).is_file():
         if _cache_intact(dest):
             return dest
@@ -476,6 +543,7 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
         config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:
         raise ModelLoadError(f"cannot read {gguf_path} as a GGUF model: {_first_line(exc)}") from exc
+    refuse_config(config.to_dict(), str(gguf_path))  # what its metadata became, before any model is built
     architecture_for(config)
     started = time.perf_counter()
     try:
@@ -485,7 +553,7 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:
         raise ModelLoadError(f"transformers cannot import {gguf_path}: {_first_line(exc)}") from exc
-    model.eval()
+    exact_attention(model).eval()
     _drop_gguf_quantizer(model)
     _keep_bos_flag(tokenizer, gguf_path)
     from .gguf_tokenizer import repair_gguf_tokenizer

@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 
 from ..errors import SlmedgeError
 from .artifact_format import QUANT_FILE, WEIGHTS_FILE, is_artifact, is_compact, safetensors_header
+from .architectures import exact_attention
 
 
 class StreamedModel:
@@ -51,7 +52,7 @@ class StreamedModel:
         with _default_dtype(torch.float32), _empty_init():
             model = cls(config)
         model.config._name_or_path = str(self.path)
-        self.model = model.eval()
+        self.model = exact_attention(model).eval()
         self.blocks = model.get_submodule(self.layers_path)
         self._prefixes = [f"{self.layers_path}.{i}." for i in range(len(self.blocks))]
         # The empty (meta) tensors of every block, put back after the block has run.

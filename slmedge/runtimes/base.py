@@ -35,10 +35,52 @@ class RuntimeInfo:
     versions: dict = field(default_factory=dict)
 
 
+# The calls through which a runtime's native code runs: each is marked (``slmedge.procs.native``) with
+# the runtime's name and file in every subclass, so a crash inside one is reported naming both.
+NATIVE_CALLS = ("logits", "_prefill", "_step", "continuation_scores", "score_groups", "hidden_states",
+                "sequence_scores", "sequence_outputs", "timed_generate", "close")
+
+
+def _where(runtime) -> tuple[str, object]:
+    """(name, file) of the runtime a marked call runs in: read with defaults, since the base class's
+    loops are also borrowed by objects that only look like a runtime (tests' fixed-logit stand-ins)."""
+    return getattr(runtime, "name", "") or type(runtime).__name__, getattr(runtime, "path", None)
+
+
+def _marked(fn):
+    """``fn`` (a runtime method; a generator's every step) inside ``native(runtime name, its file)``."""
+    import functools
+    import inspect
+
+    from ..procs import native
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def steps(self, *args, **kwargs):
+            it = fn(self, *args, **kwargs)
+            while True:
+                with native(*_where(self)):
+                    try:
+                        item = next(it)
+                    except StopIteration:
+                        return
+                yield item
+
+        return steps
+
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        with native(*_where(self)):
+            return fn(self, *args, **kwargs)
+
+    return call
+
+
 class Runtime(ABC):
     """A loaded model in one runtime."""
 
     name: str = ""  # set by @register_runtime
+    path = None  # the model file or folder it runs (None: a model handed over in memory)
     torch_lse = False  # token scores' log-sum-exp in torch (the torch runtime) or numpy
     # Where it runs, when not in this process on the CPU: set by the transport that opened it.
     target: str = ""
@@ -49,6 +91,15 @@ class Runtime(ABC):
 
     def __init__(self, threads: int | None = None):
         self.threads = int(threads or os.cpu_count() or 1)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in NATIVE_CALLS:
+            fn = cls.__dict__.get(name)
+            if callable(fn) and not getattr(fn, "_native_marked", False):
+                marked = _marked(fn)
+                marked._native_marked = True
+                setattr(cls, name, marked)
 
     @classmethod
     def open_file(cls, path, threads: int | None = None, n_ctx: int = 2048, gpu: bool = False,
@@ -172,6 +223,16 @@ def _lse_numpy(x: np.ndarray) -> np.ndarray:
     e = np.subtract(x, m)
     np.exp(e, out=e)
     return m[:, 0].astype(np.float64) + np.log(e.sum(-1, dtype=np.float64))
+
+
+# The base class's own calls (the scoring and decoding loops every runtime inherits) are marked too:
+# a generation's steps then run inside its mark, and each step's own mark costs a list push and pop.
+for _name in NATIVE_CALLS:
+    _fn = Runtime.__dict__.get(_name)
+    if callable(_fn) and not getattr(_fn, "__isabstractmethod__", False):
+        setattr(Runtime, _name, _marked(_fn))
+        getattr(Runtime, _name)._native_marked = True
+del _name, _fn
 
 
 def _token_scores(logits: np.ndarray, targets, in_torch: bool = False) -> tuple[np.ndarray, bool]:

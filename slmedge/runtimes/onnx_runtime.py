@@ -1,4 +1,4 @@
-"""onnxruntime: an ONNX export (optimum's decoder with KV cache) run through ``backends.ort``."""
+"""onnxruntime: an ONNX export (the traced decoder with its KV cache) run through ``backends.ort``."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import threading
 import numpy as np
 
 from ..errors import ConfigError, CorruptModelError, RuntimeNotInstalledError, SlmedgeError
+from ..procs import child_options
 from . import wire
 from .base import GenerationTiming, Runtime
 
@@ -35,8 +36,9 @@ class RunnerProcess:
         self.timeout = timeout
         self.describe_exit = describe_exit
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=env)
+                                     env=env, **child_options())
         self._err: list[bytes] = []
+        self.serving: tuple[str, str] | None = None  # (runtime, file) the runner opened last: what a crash names
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
 
@@ -54,6 +56,8 @@ class RunnerProcess:
         if limit:
             timer = threading.Timer(limit, self.proc.kill)
             timer.start()
+        if header.get("op") == "open":
+            self.serving = (str(header.get("runtime")), str(header.get("path")))
         try:
             wire.send(self.proc.stdin, header, arrays)
             reply, out = wire.recv(self.proc.stdout)
@@ -62,6 +66,14 @@ class RunnerProcess:
             self._reader.join(timeout=2)
             if timer is not None and not timer.is_alive() and self.proc.returncode in (-9, 137):
                 raise TargetRuntimeError(f"{self.where}: no reply to '{header.get('op')}' within {limit:.0f} s") from exc
+            code = self.proc.returncode
+            if code is not None and code < 0 and self.serving is not None:  # a crash in the runtime it serves
+                from ..procs import signal_text
+
+                runtime, path = self.serving
+                raise TargetRuntimeError(f"{self.where}: {runtime} crashed ({signal_text(-code)}) on {path} in the "
+                                         "runner: the file may be damaged or not what it expects, or it has a bug") \
+                    from exc
             msg = self.describe_exit(self.proc.returncode, self.stderr_tail()) if self.describe_exit else None
             raise (msg if isinstance(msg, SlmedgeError) else TargetRuntimeError(
                 f"{self.where}: the runner exited ({self.proc.returncode}): {self.stderr_tail() or 'no message'}")) \

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError, SlmedgeError
-from ..fsutil import disk_full
+from ..fsutil import disk_full, output_lock
 from ..models.artifact_format import is_artifact
 from .jobs import Job, build_jobs, study_workdir
 from .spec import Study
@@ -181,9 +181,11 @@ def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) 
     if job["kind"] == "compress":
         from ..models.artifact_format import read_manifest
 
-        if _made(job["kind"], spec, out):  # finished before a kill, not yet recorded
+        if _made(job["kind"], spec, out):  # finished before a kill, not yet recorded: used once checked
+            from ..models.artifact_format import open_manifest
+
             return {"output": str(out), "reused": True, "seconds": 0.0,
-                    "facts": levels.artifact_level(read_manifest(out).get("summary") or {})}
+                    "facts": levels.artifact_level(open_manifest(out).get("summary") or {})}
         from ..compress.api import compress
         from ..compress.recipe import Recipe
 
@@ -308,7 +310,13 @@ class _LocalPool:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
-        return ProcessPoolExecutor(max_workers=self.workers, mp_context=mp.get_context("spawn"))
+        from ..procs import die_with_parent
+
+        # Each worker dies with this process, however it ends (kill -9, the OOM killer, a CI timeout):
+        # a worker left behind holds a model's memory (and multiprocessing's resource tracker, which
+        # ends once no worker is left) for as long as its job takes.
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=mp.get_context("spawn"),
+                                   initializer=die_with_parent, initargs=(os.getpid(),))
 
     def submit(self, job: dict, threads, data_dir, needs_gpu: bool):
         if self.broken:
@@ -406,7 +414,16 @@ def run_study(study: Study, store, engine: str = "local", workers: int | None = 
     check_engine(engine, workers)
     wd = study_workdir(study, workdir)
     jobs = build_jobs(study, wd, data_dir)  # each identified by its settings and its inputs' content
-    wd.mkdir(parents=True, exist_ok=True)  # (after: a missing input leaves nothing behind)
+    # One run of a study's workdir at a time: a second is refused, naming the first (two runs would
+    # start the same jobs and record each other's failures over finished results).
+    with output_lock(wd, what=f"the study {study.name!r} (its workdir {wd})",
+                     advice="wait for that run to finish (a study runs once at a time in one workdir)"):
+        wd.mkdir(parents=True, exist_ok=True)  # (after: a missing input leaves nothing behind)
+        return _run_locked(study, store, engine, workers, address, wd, jobs, data_dir, progress, discard_artifacts)
+
+
+def _run_locked(study: Study, store, engine, workers, address, wd: Path, jobs: list[Job], data_dir, progress,
+                discard_artifacts: bool) -> dict:
     ss = StudyStore(store)
     changed = ss.changed_inputs(study.name, jobs)
     ss.register(study.name, jobs)

@@ -32,7 +32,7 @@ from ..errors import DataError, ModelNotFoundError
 TORCH_STACK = ("torch", "transformers", "safetensors", "numpy")
 # Writer libraries counted for a format that names none (``ExportFormat.packages``; GGUF and ONNX
 # name theirs): to be safe, its exports and their evaluations then count all of these.
-FILE_FORMAT_PACKAGES = ("gguf", "onnx", "optimum")
+FILE_FORMAT_PACKAGES = ("gguf", "onnx", "onnxruntime")
 # A model source read from a GGUF file (a .gguf, an embedded model) is converted with this package.
 GGUF_READER = ("gguf",)
 

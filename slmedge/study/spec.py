@@ -454,7 +454,11 @@ def _check_models(models: list, file: Path, lines: _Lines) -> None:
         if not isinstance(m, str) or not m:
             _fail(file, lines, ("models",), f"'models' must be a list of model sources (text), got {m!r}")
         try:
-            resolve(m)
+            src = resolve(m)
+            if src.kind == "artifact":  # its manifest's seal now (its files are checked when a job opens it)
+                from ..models.artifact_format import check_manifest_seal, open_manifest_bytes
+
+                check_manifest_seal(src.path, open_manifest_bytes(src.path, verify=False)[0])
         except SlmedgeError as exc:
             n = lines.line("models")
             msg = f"{file}" + (f", line {n}" if n else "") + f": {exc}"

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ..errors import TargetError
 from ..fsutil import write_json_atomic
+from ..procs import child_options
 from .profiles import Profile
 from .registry import register_transport
 from .transports import Check, Transport, runner_bundle
@@ -150,7 +151,7 @@ class EmulatedTransport(Transport):
 def _run(cmd, what: str, cwd=None, env=None, timeout=3600) -> subprocess.CompletedProcess:
     try:
         proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=cwd, env=env,
-                              timeout=timeout)
+                              timeout=timeout, **child_options())
     except FileNotFoundError as exc:
         raise SetupError(f"{what}: {cmd[0]} is not installed") from exc
     except subprocess.TimeoutExpired as exc:
@@ -419,7 +420,7 @@ def setup_arm64(profile: Profile, log=print, rebuild: bool = False, llama_cpp: b
                 built[spec.name] = BUILDERS[spec.name](root, log)
     log("precompiling the standard library and packages (host Python 3.11: same bytecode)")
     subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(root / "sysroot" / "usr" / "lib" / PYTHON),
-                    str(_site(root))], capture_output=True)
+                    str(_site(root))], capture_output=True, **child_options())
     runtimes = [s.name for s in _arm64_runtimes() if llama_cpp or s.arm64 != "build"]
     manifest = {"built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "qemu": qemu,
                 "qemu_cpu": profile.qemu_cpu or "neoverse-n1", "arm_arch": ARM_ARCH, "built": built,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, RuntimeNotInstalledError, TargetError
+from ..procs import child_options
 from ..runtimes.memprobe import open_file_runtime
 from ..runtimes.registry import get_runtime, runtime_names
 from ..runtimes.remote import RemoteRuntime, RunnerProcess, TargetRuntimeError
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 # What the runner needs on a target: every runtime and engine binding (numpy and one engine, no
 # torch) and the wire protocol. The targets package's own __init__ registers host-side
 # transports: an empty one there.
-_BUNDLE = ["__init__.py", "errors.py", "fsutil.py", "registry.py", "targets/runner.py"]
+_BUNDLE = ["__init__.py", "errors.py", "fsutil.py", "procs.py", "registry.py", "targets/runner.py"]
 _BUNDLE_PACKAGES = ["backends", "runtimes"]
 _STUBS = {"slmedge/targets/__init__.py": b'"""The runner side of slmedge.targets."""\n'}
 _MAIN = "import sys\nfrom slmedge.targets.runner import main\nsys.exit(main())\n"
@@ -53,13 +54,19 @@ def runner_bundle() -> Path:
     digest = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(blobs.items())) + _MAIN.encode()).hexdigest()
     out = cache_dir() / "targets" / f"runner-{digest[:16]}.pyz"
     if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
-            z.writestr("__main__.py", _MAIN)
-            for name, data in sorted(blobs.items()):
-                z.writestr(name, data)
-        os.replace(tmp, out)
+        from ..fsutil import output_lock, temp_name
+
+        with output_lock(out, wait=True):
+            if not out.is_file():
+                tmp = temp_name(out, "file")
+                try:
+                    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+                        z.writestr("__main__.py", _MAIN)
+                        for name, data in sorted(blobs.items()):
+                            z.writestr(name, data)
+                    os.replace(tmp, out)
+                finally:
+                    tmp.unlink(missing_ok=True)
     return out
 
 
@@ -156,7 +163,7 @@ class Transport:
 
         try:
             proc = subprocess.run(self.runner_argv(["versions"]), capture_output=True, text=True,
-                                  env=self.runner_env(), timeout=self.timeout or 600)
+                                  env=self.runner_env(), timeout=self.timeout or 600, **child_options())
         except subprocess.TimeoutExpired as exc:
             raise TargetError(f"{self.where}: the runner did not answer within {self.timeout or 600:.0f} s") from exc
         except OSError as exc:
@@ -172,7 +179,8 @@ class Transport:
         import json
 
         proc = subprocess.run(self.runner_argv(["memprobe", runtime, path, str(threads), str(tokens)]),
-                              capture_output=True, text=True, env=self.runner_env(), timeout=self.timeout or 3600)
+                              capture_output=True, text=True, env=self.runner_env(), timeout=self.timeout or 3600,
+                              **child_options())
         if proc.returncode != 0:
             raise TargetRuntimeError(f"{self.where}: the memory probe failed: {proc.stderr.strip()[-300:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -303,7 +311,7 @@ class SshTransport(Transport):
     def _run(self, words: list[str], timeout: float | None = None, stdin: bytes | None = None):
         try:
             proc = subprocess.run(self._ssh(words), input=stdin, capture_output=True,
-                                  timeout=timeout or self.s.connect_timeout_s + 60)
+                                  timeout=timeout or self.s.connect_timeout_s + 60, **child_options())
         except subprocess.TimeoutExpired as exc:
             raise TargetError(f"{self.where}: no answer within {timeout or self.s.connect_timeout_s + 60:.0f} s") from exc
         if proc.returncode == 255:
@@ -342,7 +350,7 @@ class SshTransport(Transport):
         dst = f"{self.dest}:{tmp}"
         scp = ["scp", "-q", *self._opts(), "-P", str(self.s.port), "--", str(local), dst]
         try:
-            proc = subprocess.run(scp, capture_output=True, timeout=self.s.command_timeout_s)
+            proc = subprocess.run(scp, capture_output=True, timeout=self.s.command_timeout_s, **child_options())
         except subprocess.TimeoutExpired as exc:
             raise TargetError(f"{self.where}: copying {local.name} did not finish in {self.s.command_timeout_s:.0f} s") \
                 from exc
