@@ -118,3 +118,26 @@ def test_no_pareto_front_from_one_point(monkeypatch):
     assert "Pareto front" in [t.get_text() for t in lg.get_texts()]
     renderer = fig.canvas.get_renderer()
     assert not _overlaps(lg.get_window_extent(renderer), ax.get_window_extent(renderer))
+
+
+def test_an_export_keeps_its_fidelity_after_its_artifact_is_discarded(tiny_models, tmp_path):
+    """--discard-artifacts deletes an artifact once its export is written; the export's evaluation
+    still compares it with the model it was made from (it used to find that model through the
+    deleted artifact, and its fidelity, the report's KL columns and plots, went missing)."""
+    from test_study import _study
+
+    from slmedge.study.engine import run_study
+    from slmedge.study.spec import load_study
+
+    methods = ['method = "none"', 'label = "rtn-w4"\nmethod = "rtn"\nbits = 4\ngroup_size = 32']
+    f = _study(tmp_path, tiny_models("llama"), name="disc", methods=methods, exports=('"gguf"',))
+    store = ResultsStore(tmp_path / "disc.sqlite")
+    try:
+        counts = run_study(load_study(f), store, discard_artifacts=True)
+        assert counts["failed"] == 0 and counts["discarded_bytes"] > 0
+        assert not any((tmp_path / "work-disc" / "artifacts").iterdir())
+        rows = {r["labels"]["method"]: r for r in report.load_rows(store, "disc")}
+    finally:
+        store.close()
+    kl = rows["rtn-w4"]["metrics"].get("kl_mean")
+    assert kl and 0 < next(iter(kl.values())) < 1, rows["rtn-w4"]["metrics"].keys()
