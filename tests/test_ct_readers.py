@@ -51,8 +51,10 @@ CASES = {
 RAGGED = "rtn-w4g48-asym-ragged"  # 64 and 128 input columns: groups of 48 leave 16 and 32
 IDS = [1, 5, 17, 99, 3, 250, 42, 8, 300, 7, 64, 11]
 # The readers run torch 2.13 (and transformers 5.17 or 5.20) against this environment's release: the
-# same weights, another build's fp32 kernels.
-LOGITS_TOL = {"rtol": 1e-5, "atol": 1e-5}
+# same weights (checked bit for bit first), another build's fp32 kernels. Measured: up to 1.4e-3 apart on
+# the 2-bit case's logits (|logit| ~2; torch 2.13.0+cpu against 2.14.1+cu130 on CPU), 1e-5 elsewhere; a
+# wrongly decoded group moves them by 1e-1 and more.
+LOGITS_TOL = {"rtol": 1e-3, "atol": 5e-3}
 
 
 def readers_dir() -> Path:

@@ -395,7 +395,9 @@ def load_checkpoint(path: Path, dtype=None):
         decompress = decompress_at_load(AutoConfig.from_pretrained(str(path)))
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32, device_map="cpu",
                                                      **decompress)
-    return model.eval()
+    from ..models.architectures import exact_attention
+
+    return exact_attention(model.eval())  # Gemma 2's soft-capping, as the artifact's logits were computed
 
 
 def verify_against_artifact(out: Path, src: ExportSource, plan: dict, probe: str | None = None) -> dict:
