@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import typer
-from rich.markup import escape
+from rich import table as rich_table
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import OutputError, OutputExistsError, SlmedgeError, brief
@@ -29,25 +30,34 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+class Table(rich_table.Table):
+    """Every table slmedge prints: a cell too long for its column wraps, and a word longer than the
+    column (a path, a URL) is folded onto the next line, never cut to "…". Tables are laid out for
+    an 80-column terminal; what does not fit there is left to ``--wide`` or ``show`` commands."""
+
+    def __init__(self, *headers, **kwargs):
+        super().__init__(*headers, **kwargs)
+        self._fold()
+
+    def add_column(self, *args, overflow="fold", **kwargs):
+        super().add_column(*args, overflow=overflow, **kwargs)
+
+    def add_row(self, *cells, **kwargs):
+        super().add_row(*cells, **kwargs)
+        self._fold()  # the columns add_row makes for a table without headers
+
+    def _fold(self) -> None:
+        for column in self.columns:
+            if column.overflow == "ellipsis":  # rich's default
+                column.overflow = "fold"
+
+
 class State:
     debug = False
     supervise = False  # run evaluate/export in a supervised child (the command line; not under CliRunner)
 
 
 state = State()
-
-
-def quiet_libraries() -> None:
-    """Keep the libraries' own progress bars and advice (transformers' "Loading weights" bars, its
-    tokenizer notices) out of slmedge's output; ``--debug`` leaves them on. Set before transformers is
-    imported (it reads the environment then), and on it when an earlier command imported it already."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if "transformers" in sys.modules:
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()
-        transformers_logging.set_verbosity_error()
 
 
 INTERRUPTED = 130

@@ -7,12 +7,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
 from ..compress.api import compress
 from ..compress.methods import METHODS
 from ..compress.recipe import DEFAULT_SKIP, Recipe
-from .common import bounded, check_model, check_output_dir, console, errors_to_exit, progress_bar
+from .common import Table, bounded, check_model, check_output_dir, console, errors_to_exit, progress_bar
 from .data import DATA_DIR_HELP
 
 

@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
-from .common import (bounded, check_model, check_output_file, check_writable_place, console, errors_to_exit,
+from .common import (Table, bounded, check_model, check_output_file, check_writable_place, console, errors_to_exit,
                      progress_bar, supervised)
 from ..fsutil import output_lock
 from .data import DATA_DIR_HELP

@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
-from .common import (bounded, check_model, check_output_dir, check_output_file, console, err_console, errors_to_exit,
-                     supervised)
+from .common import (Table, bounded, check_model, check_output_dir, check_output_file, console, err_console,
+                     errors_to_exit, supervised)
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -74,7 +73,7 @@ def export_command(
       slmedge export smollm2-135m --format gguf --type q4_k_m -o base-q4km.gguf
       slmedge export out/gptq --format gguf --type q4_1 --exact -o m.gguf
       slmedge export out/gptq --format compressed-tensors -o ct_dir/       # for transformers / vLLM
-    slmedge export out/awq --format onnxruntime-genai -o genai_dir/    # for onnxruntime-genai apps
+      slmedge export out/awq --format onnxruntime-genai -o genai_dir/    # for onnxruntime-genai apps
     """
     from ..export.api import export
     from ..export.formats import get_format

@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
-from .common import bounded, check_writable_place, console, errors_to_exit, number_list
+from .common import Table, bounded, check_writable_place, console, errors_to_exit, number_list
 from .data import DATA_DIR_HELP
 
 

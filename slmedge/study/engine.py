@@ -189,9 +189,9 @@ def _discard(path: str) -> int:
 
 def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) -> dict:
     """Do one job; returns what it made. Module-level, so process pools and Ray can call it."""
-    import warnings
+    from ..quiet import quiet_libraries
 
-    warnings.filterwarnings("ignore")
+    quiet_libraries(own_warnings=False)  # a worker's notes go into its results (everything under --debug)
     from . import levels
 
     t0 = time.perf_counter()
@@ -234,6 +234,11 @@ def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) 
     ev = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["settings"].items()}
     ev.setdefault("threads", threads)
     ev["data_dir"] = data_dir
+    if ev.get("reference") is None and spec["subject"] != job["labels"].get("model", spec["subject"]):
+        # Fidelity's default reference is the model the row was made from. An export found it through
+        # its source artifact, which --discard-artifacts may have deleted by now (fidelity was then
+        # skipped without a word); the study knows that model: the same reference, named directly.
+        ev["reference"] = job["labels"]["model"]
     rec = _RowRecorder()
     if "same_as" in spec:
         results, carried = _evaluate_same_as(job, EvalSettings(**ev, target=spec["target"]), rec)

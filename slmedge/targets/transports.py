@@ -307,6 +307,9 @@ def check_workdir(value: str, where: str = "") -> str:
 
 @register_transport("ssh")
 class SshTransport(Transport):
+    """A device over ssh: the runner and the model file are copied to ``[ssh] workdir`` (unless the
+    same bytes are there) and serve requests over the ssh connection; keys only, host keys checked."""
+
     @classmethod
     def check_profile(cls, data, where):
         if data.get("ssh") is None:
