@@ -144,10 +144,11 @@ def test_a_gguf_export_carries_its_own_checksum(exports, tmp_path, corpus):
         with pytest.raises(ArtifactError):
             check_gguf(copy)
         db = tmp_path / f"{name}.sqlite"
+        # Evaluated as a file slmedge did not write (what llama-quantize's output from slmedge's export
+        # is, issue 40), with one note; never reused as slmedge's own output.
         r = runner.invoke(app, ["evaluate", str(copy), *EVAL, "--corpus", str(corpus), "--results-db", str(db)])
-        assert r.exit_code == 1 and "Traceback" not in r.output, r.output
-        assert str(copy) in r.output
-        assert runs_recorded(db) == 0
+        assert r.exit_code == 0 and "manifest is ignored" in r.output, r.output
+        assert not get_format("gguf").reusable(copy)
     edited = tmp_path / "edited.gguf"
     assert data.count(b'"qtype": "f32"') == 1
     edited.write_bytes(data.replace(b'"qtype": "f32"', b'"qtype": "q80"'))  # same length: no offset moves

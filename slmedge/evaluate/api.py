@@ -194,6 +194,7 @@ class Evaluation:
             # what the runtime says of itself: e.g. where onnxruntime-genai's scores come from (logits_from)
             "runtime_info": _runtime_info(rt),
         }
+        self.results["notes"].extend(self.sub.notes)
         if self.sub.streamed:
             self.results["notes"].append(
                 "torch ran the model streamed, one decoder block in fp32 in memory at a time (SLMEDGE_TORCH_STREAM: "

@@ -28,7 +28,7 @@ from ..compress.quant import QuantSpec
 from ..errors import OutputExistsError, UnsupportedArchitectureError
 from ..fsutil import disk_full, no_space, temp_name
 from ..models.architectures import ARCHITECTURES, Architecture, GGUFLayout
-from ..models.gguf_seal import check_gguf, placeholder_manifest, seal_gguf
+from ..models.gguf_seal import check_gguf, input_gguf_manifest, placeholder_manifest, seal_gguf
 from .errors import ExportError, GGUFExportError, GGUFVerificationError
 from .formats import get_format, register_format
 from .gguf_hparams import add_hparams, hparam
@@ -253,7 +253,8 @@ def _ours(path: Path) -> bool:
 
 
 @register_format("gguf", label="GGUF", single_file=True, suffix=".gguf", complete=lambda out: Path(out).is_file(),
-                 read_manifest=read_gguf_manifest, verified_manifest=check_gguf, types=tuple(QTYPES), tolerances=TOLERANCES,
+                 read_manifest=read_gguf_manifest, verified_manifest=check_gguf, input_manifest=input_gguf_manifest,
+                 types=tuple(QTYPES), tolerances=TOLERANCES,
                  options=("keep_f16_uncoded",), error=GGUFExportError, report_rows=_report_rows,
                  inspect=inspect_gguf, inspect_rows=gguf_rows, magic=b"GGUF", model_facts=gguf_model_facts,
                  tokenizer="inside", type_key="qtype", torch_source=True, packages=("gguf",))

@@ -15,6 +15,12 @@ before 9705866, 2026-12-01, cannot be told from a manifest whose seal was remove
 ``ModifiedGGUFError`` for that alone (its manifest intact, its bytes not), e.g. a file re-quantized
 by llama-quantize from slmedge's export, which carries the export's manifest along.
 
+``input_gguf_manifest`` is how a GGUF given as an input (to evaluate, inspect, import) is read: a file
+``check_gguf`` finds modified since slmedge wrote it is a file slmedge did not write (llama-quantize's
+output from slmedge's f16 export is the ordinary case), its manifest ignored with one note saying so.
+Where slmedge reuses its own outputs as its own (caches, a study's exports: ``reusable``) the
+same finding still refuses the file: those callers use ``check_gguf`` itself.
+
 It lives with the models because a GGUF is also a model source (``models.source`` imports one).
 """
 
@@ -245,3 +251,17 @@ def check_gguf(path) -> dict | None:
         raise ModifiedGGUFError(f"checksum mismatch for {path}: the file was modified or is corrupt since slmedge "
                                 "wrote it; export it again")
     return manifest
+
+
+def input_gguf_manifest(path) -> tuple[dict | None, str | None]:
+    """(manifest, note) of a GGUF given as an input: the manifest ``check_gguf`` returns, or, for a file
+    it finds modified since slmedge wrote it, no manifest and a one-line note that it was ignored and why.
+    A manifest that is itself damaged or unsealed is still refused (ArtifactError): that is no file a
+    tool derived from slmedge's, but one whose record was changed."""
+    path = Path(path)
+    try:
+        return check_gguf(path), None
+    except ModifiedGGUFError:
+        return None, (f"{path.name} carries the slmedge.manifest of the file it was made from (llama-quantize "
+                      "copies it along), but its tensors are not that file's: the manifest is ignored and the "
+                      "file is evaluated as one slmedge did not write")

@@ -511,9 +511,15 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     small CPU, so its result is kept in the cache, keyed by the file's sha256.
     """
     gguf_path = Path(gguf_path)
-    from .gguf_seal import check_gguf
+    from .gguf_seal import input_gguf_manifest
 
-    check_gguf(gguf_path)  # a GGUF slmedge wrote: unchanged since (a foreign one has nothing to check)
+    # A GGUF slmedge wrote: unchanged since (a foreign one has nothing to check); one a tool derived from
+    # slmedge's export, carrying its manifest along, is read as a foreign one, with a note.
+    _manifest, note = input_gguf_manifest(gguf_path)
+    if note:
+        import sys
+
+        print(f"note: {note}", file=sys.stderr)
     digest = sha256_file(gguf_path)
     # The embedded default and its file share it. "-2": conversions that keep the file's BOS flag;
     # "-3": without the GGUF file itself copied in as tokenizer.model; "-4": keyed by the libraries that
