@@ -191,7 +191,10 @@ def test_best_under_tables_take_the_users_budgets(deployed):
     smallest = min((r for r in rows if r["target"] == "cpu"), key=file_size)
     assert all(cell.startswith(str(smallest["labels"]["method"])) for cell in t["rows"][0][2:] if cell != "–")
     res = runner.invoke(app, ["report", str(store.path), "--study", "deploy", "--under-mb", "ten", "-o", "x.html"])
-    one_line_error(res, "--under-mb takes positive numbers")
+    one_line_error(res, "--under-mb takes numbers separated by commas, not 'ten'")
+    res = runner.invoke(app, ["report", str(store.path), "--study", "deploy", "--under-mb", "10,-5", "-o", "x.html"])
+    one_line_error(res, "--under-mb")
+    assert "must be in (0, 1,000,000,000], got -5" in res.output, res.output
 
 
 def test_an_older_store_without_facts_still_reports(deployed, tmp_path):
