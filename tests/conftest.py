@@ -178,9 +178,10 @@ def study_data_files(folder: Path) -> tuple[Path, Path]:
 
 
 def tiny_study_file(folder: Path, model, name: str, methods: list[str], exports=('"none"',), *,
-                    workdir: str | None = None, corpus: Path | None = None, calibration: bool = False) -> Path:
+                    workdir: str | None = None, corpus: Path | None = None, calibration: bool = False,
+                    ppl_windows: int = 1) -> Path:
     """A study file for the tests' short studies: one model, seed 0 on the cpu target, perplexity on a
-    tiny corpus (study_data_files' unless given) in one 32-token window; ``methods`` are the bodies of
+    tiny corpus (study_data_files' unless given) in ``ppl_windows`` 32-token windows; ``methods`` are the bodies of
     its [[methods]] tables, ``exports`` the formats of its [[exports]]; ``calibration``: 64 x 128
     tokens of the shipped c4 text (what GPTQ needs). Written to ``folder/<name>.toml``."""
     if corpus is None:
@@ -197,7 +198,7 @@ langs = []
 wikitext = false
 corpora = ["{corpus}"]
 seqlen = 32
-ppl_windows = 1
+ppl_windows = {ppl_windows}
 threads = 1
 '''
     if calibration:

@@ -7,7 +7,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from conftest import one_line_error, require_arm64_env, study_data_files
+from conftest import one_line_error, require_arm64_env, study_data_files, tiny_study_file
 from typer.testing import CliRunner
 
 from slmedge.cli import app
@@ -237,31 +237,9 @@ def test_the_new_formats_are_exports_of_a_study(tmp_path, tiny_models):
 
     require_import("compressed_tensors", "compressed-tensors is not installed (pip install 'slmedge[compressed-tensors]')")
     require_import("onnxruntime_genai", "onnxruntime-genai is not installed (pip install 'slmedge[genai]')")
-    corpus, _ = study_data_files(tmp_path)
-    f = tmp_path / "formats.toml"
-    f.write_text(f'''name = "formats"
-models = ["{tiny_models("llama")}"]
-workdir = "work-formats"
-[evaluate]
-metrics = ["perplexity"]
-langs = []
-wikitext = false
-corpora = ["{corpus}"]
-seqlen = 32
-ppl_windows = 2
-threads = 1
-[[methods]]
-label = "rtn-w4"
-method = "rtn"
-bits = 4
-group_size = 32
-[[exports]]
-format = "none"
-[[exports]]
-format = "compressed-tensors"
-[[exports]]
-format = "onnxruntime-genai"
-''')
+    f = tiny_study_file(tmp_path, tiny_models("llama"), "formats",
+                        ['label = "rtn-w4"\nmethod = "rtn"\nbits = 4\ngroup_size = 32'],
+                        exports=('"none"', '"compressed-tensors"', '"onnxruntime-genai"'), ppl_windows=2)
     store = ResultsStore(tmp_path / "r.sqlite")
     try:
         counts = run_study(load_study(f), store)
