@@ -208,3 +208,11 @@ threads = 1
     f = folder / f"{name}.toml"
     f.write_text(text)
     return f
+
+
+def single_scheme_transformers() -> bool:
+    """transformers 5.21+ decodes every dense layer of a compressed-tensors checkpoint with one config
+    group's scheme (``get_dense_scheme``); 5.17-5.20 give each layer its own group's."""
+    from transformers.integrations import compressed_tensors as integration
+
+    return hasattr(integration, "get_dense_scheme")

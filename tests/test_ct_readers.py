@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import missing_prerequisite, require_import
+from conftest import missing_prerequisite, require_import, single_scheme_transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 READER_SCRIPT = ROOT / "scripts" / "bench" / "ct_reader.py"
@@ -37,8 +37,8 @@ CASES = {
     "gptq-w4g32-asym": ("qwen3", "gptq", {"bits": 4, "symmetric": False}),
     "awq-w4g32-asym": ("llama", "awq", {"bits": 4, "symmetric": False}),
     "awq-w4g32-sym": ("qwen2", "awq", {"bits": 4, "symmetric": True}),
-    "rtn-w4g64-asym-channel+group": ("llama", "rtn", {"bits": 4, "group_size": 64, "symmetric": False}),
-    "rtn-w4g128-sym": ("mistral", "rtn", {"bits": 4, "group_size": 128, "symmetric": True}),
+    "rtn-w4g64-asym-one-group": ("llama", "rtn", {"bits": 4, "group_size": 64, "symmetric": False}),
+    "rtn-w4g128-sym-two-grids": ("mistral", "rtn", {"bits": 4, "group_size": 128, "symmetric": True}),
     "rtn-w8g64-asym": ("phi3", "rtn", {"bits": 8, "group_size": 64, "symmetric": False}),
     "rtn-w8-channel-sym": ("qwen2", "rtn", {"bits": 8, "group_size": -1, "symmetric": True}),
     "rtn-w2g32-asym": ("gemma2", "rtn", {"bits": 2, "symmetric": False}),
@@ -82,7 +82,10 @@ def exports(artifacts, tmp_path_factory):
     built = {}
     for name, (model_type, method, kw) in CASES.items():
         art = artifacts(model_type, method, **kw)
-        export_compressed_tensors(art, root / name)  # verified in this environment before it appears
+        # verified in this environment before it appears, where this transformers can read it (5.21+ reads
+        # one grid per checkpoint: the two-grid case is then checked by the readers alone)
+        verify = not (name.endswith("two-grids") and single_scheme_transformers())
+        export_compressed_tensors(art, root / name, verify=verify)
         built[name] = (art, root / name)
     art = artifacts("llama", "rtn", bits=4, group_size=48, symmetric=False)
     built[RAGGED] = (art, ragged_checkpoint(art, root / RAGGED))
