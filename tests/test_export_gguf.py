@@ -520,8 +520,8 @@ def test_requantized_file_whose_placed_codes_changed_is_refused(artifacts, tmp_p
     art_dir = artifacts("llama", "awq", bits=4, group_size=32, symmetric=False)
     real = gx.llamacpp_quantize
 
-    def quantize_and_flip(src, dst, qtype, n_threads=None):
-        real(src, dst, qtype, n_threads)
+    def quantize_and_flip(src, dst, qtype, n_threads=None, imatrix=None):
+        real(src, dst, qtype, n_threads, imatrix=imatrix)
         t = next(t for t in gguf.GGUFReader(str(dst)).tensors if t.name == "blk.1.ffn_down.weight")
         with open(dst, "r+b") as f:
             f.seek(int(t.data_offset) + int(t.n_bytes) // 2)

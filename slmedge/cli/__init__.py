@@ -19,7 +19,7 @@ try:
     from .compress import compress_command
     from .data import data_app
     from .evaluate import evaluate_command, lm_eval_command
-    from .export import export_command, inspect_command
+    from .export import export_command, imatrix_command, inspect_command
     from .methods import methods_command
     from .run import run_command
     from .study import report_command, study_command
@@ -65,6 +65,7 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks ins
 
 app.command("compress")(compress_command)
 app.command("export")(export_command)
+app.command("imatrix")(imatrix_command)
 app.command("evaluate")(evaluate_command)
 app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                                         "help_option_names": []})(lm_eval_command)

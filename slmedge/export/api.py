@@ -38,7 +38,7 @@ def default_output(folder: Path, fmt: str, qtype: str) -> Path:
 
 
 def check_export_options(fmt: str, qtype: str = "auto", *, accuracy_level: int = 4, n_threads: int | None = None,
-                         block_size: int = 32):
+                         block_size: int = 32, imatrix=None):
     """The format, its type and every range, checked before any work (ConfigError, exit 2); returns
     the format. The CLI and ``export()`` both call it."""
     from .errors import ExportError
@@ -53,6 +53,12 @@ def check_export_options(fmt: str, qtype: str = "auto", *, accuracy_level: int =
     check("accuracy_level", accuracy_level, "--accuracy-level")
     check("threads", n_threads, "--threads", none=True)
     check_threads(n_threads, usable_cpus(), "--threads", "this machine")  # quantizing and verifying run here
+    if imatrix is not None:
+        if "imatrix" not in target.options:
+            raise ConfigError(f"--imatrix weights llama.cpp's quantizer: it is for --format gguf, not {fmt}")
+        from .imatrix import read_imatrix
+
+        read_imatrix(imatrix)  # a file llama-quantize would refuse is refused now, before any work
     if "block_size" in target.options:
         check("export_block_size", block_size, "--block-size")
         if block_size & (block_size - 1):
@@ -62,14 +68,15 @@ def check_export_options(fmt: str, qtype: str = "auto", *, accuracy_level: int =
 
 def export(spec: str | None, fmt: str, qtype: str = "auto", output=None, *, exact: bool = False, verify: bool = True,
            overwrite: bool = False, n_threads: int | None = None, block_size: int = 32, accuracy_level: int = 4,
-           keep_fp32_head: bool = False, keep_f16_uncoded: bool = False, revision: str | None = None) -> dict:
+           keep_fp32_head: bool = False, keep_f16_uncoded: bool = False, revision: str | None = None,
+           imatrix=None) -> dict:
     """Write ``spec`` in the registered format ``fmt``; returns the writer's report."""
     import contextlib
 
     from ..fsutil import output_lock
 
     target = check_export_options(fmt, qtype, accuracy_level=accuracy_level, n_threads=n_threads,
-                                  block_size=block_size)
+                                  block_size=block_size, imatrix=imatrix)
     with contextlib.ExitStack() as held:
         if output is not None:  # one writer per output, refused before a source is converted or read
             target.check_output(Path(output))
@@ -78,6 +85,7 @@ def export(spec: str | None, fmt: str, qtype: str = "auto", output=None, *, exac
         out = Path(output) if output is not None else default_output(folder, target.name, qtype)
         target.check_output(out)
         options = target.writer_options({"block_size": block_size, "accuracy_level": accuracy_level,
-                                         "keep_fp32_head": keep_fp32_head, "keep_f16_uncoded": keep_f16_uncoded})
+                                         "keep_fp32_head": keep_fp32_head, "keep_f16_uncoded": keep_f16_uncoded,
+                                         "imatrix": imatrix})
         return target.write(folder, out, qtype, exact=exact, verify=verify, overwrite=overwrite, n_threads=n_threads,
                             **options)

@@ -244,6 +244,37 @@ def _report_rows(report: dict) -> list[tuple[str, str]]:
             ("tokenizer", f"{report['tokenizer']['model']} / pre {report['tokenizer'].get('pre')}")]
 
 
+def _importance_for(values: dict, meta: dict, path, requant: list[str], report_tensors: dict, qtype: str):
+    """The importance-matrix entries of the tensors llama.cpp quantizes in this export, checked against
+    their widths; refused (ConfigError / ImatrixError) where the matrix has nothing to weight here or
+    was made for another model. Returns (entries, what the manifest records of it)."""
+    from ..errors import ConfigError
+    from ..fsutil import sha256_file
+    from .imatrix import ImatrixError
+
+    if not requant:
+        raise ConfigError(f"--imatrix: nothing in this {qtype} export goes through llama.cpp's quantizer (every tensor "
+                          "keeps its codes or its float type), so an importance matrix has nothing to weight")
+    used, lacking = {}, []
+    for name in requant:
+        if name in values:
+            columns = int(report_tensors[name]["shape"][-1])
+            if values[name].size != columns:
+                raise ImatrixError(f"the importance matrix {path} has {values[name].size} values for {name}, whose "
+                                   f"rows have {columns}: it was made for another model")
+            used[name] = values[name]
+        elif name.startswith("blk.") and len(report_tensors[name]["shape"]) == 2:
+            lacking.append(name)  # llama-imatrix records every block's weight matrices
+    if lacking or not used:
+        shown = ", ".join(sorted(lacking or requant)[:2])
+        raise ImatrixError(f"the importance matrix {path} has no entry for {shown}"
+                           f"{' and others' if len(lacking or requant) > 2 else ''}, which llama.cpp quantizes here: "
+                           "it was made for another model")
+    info = {"file": Path(path).name, "sha256": sha256_file(path), "entries_used": len(used),
+            "chunk_count": meta["chunk_count"], "chunk_size": meta["chunk_size"], "datasets": meta["datasets"]}
+    return used, info
+
+
 def _ours(path: Path) -> bool:
     """A GGUF file slmedge wrote: it carries slmedge's manifest."""
     try:
@@ -255,17 +286,18 @@ def _ours(path: Path) -> bool:
 @register_format("gguf", label="GGUF", single_file=True, suffix=".gguf", complete=lambda out: Path(out).is_file(),
                  read_manifest=read_gguf_manifest, verified_manifest=check_gguf, input_manifest=input_gguf_manifest,
                  types=tuple(QTYPES), tolerances=TOLERANCES,
-                 options=("keep_f16_uncoded",), error=GGUFExportError, report_rows=_report_rows,
+                 options=("keep_f16_uncoded", "imatrix"), error=GGUFExportError, report_rows=_report_rows,
                  inspect=inspect_gguf, inspect_rows=gguf_rows, magic=b"GGUF", model_facts=gguf_model_facts,
                  tokenizer="inside", type_key="qtype", torch_source=True, packages=("gguf",))
 def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, verify: bool = True, *,
                 overwrite: bool = False, probe: str | None = None, n_threads: int | None = None,
-                keep_f16_uncoded: bool = False) -> dict:
+                keep_f16_uncoded: bool = False, imatrix=None) -> dict:
     """Write ``source`` (an slmedge artifact or a plain HF folder) as one GGUF file at ``out_path``.
 
     ``qtype``: ``auto`` (the type matching the artifact's codes, else f16), ``f32``, ``f16``,
     ``q8_0``, ``q4_0``, ``q4_1``. Codes that fit the type are placed as they are; the rest go
-    through llama.cpp's quantizer with a warning (``exact=True`` refuses instead). With
+    through llama.cpp's quantizer with a warning (``exact=True`` refuses instead), weighted by the
+    importance matrix ``imatrix`` (a llama.cpp imatrix GGUF file) where one is given. With
     ``verify``, llama.cpp's logits of the file are compared with torch's of the source and a
     disagreement raises :class:`GGUFVerificationError`. The file appears only when complete and
     verified. Returns a report (types per tensor, which kept their codes, verification stats).
@@ -285,6 +317,11 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         raise OutputExistsError(f"{out} exists; pass --overwrite to replace it")
     if Path(source).exists() and Path(source).resolve() == out.resolve():
         raise OutputExistsError(f"output {out} is the input; choose another output")
+    importance, importance_meta = (None, None)
+    if imatrix is not None:
+        from .imatrix import read_imatrix
+
+        importance, importance_meta = read_imatrix(imatrix)
     out.parent.mkdir(parents=True, exist_ok=True)
     src = _open_source(source)
     key = _auto_qtype(src.layers) if key == "auto" else key
@@ -385,6 +422,12 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
     coded_requant = [n for n in requant if report_tensors[n].get("grid")]
     for name in requant:
         report_tensors[name]["type"] = f"requantized by llama.cpp ({target.name})"
+    imatrix_info = None
+    if importance is not None:
+        importance, imatrix_info = _importance_for(importance, importance_meta, imatrix, requant, report_tensors,
+                                                   target.name)
+        notes.append(f"llama.cpp's quantizer weighted by the importance matrix {Path(imatrix).name} "
+                     f"({imatrix_info['entries_used']} of the {len(requant)} tensors it quantizes)")
     manifest = {
         "format": "slmedge-gguf-export",
         "source": str(src.path),
@@ -392,6 +435,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         "source_manifest_sha256": src.artifact.manifest_sha256 if src.artifact is not None else None,
         "recipe": (src.artifact.manifest.get("recipe") if src.artifact is not None else None),
         "qtype": target.name,
+        "imatrix": imatrix_info,
         "tensors": {n: {k: v for k, v in t.items() if k in ("type", "codes_kept", "grid", "sparsity", "requantized_because")}
                     for n, t in report_tensors.items()},
     }
@@ -423,7 +467,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
             del data, w
         writer.close()
         if stage is not None:
-            llamacpp_quantize(stage, tmp, target, n_threads)
+            llamacpp_quantize(stage, tmp, target, n_threads, imatrix=importance)
             check_requantized(tmp, stage, placed, report_tensors)
         seal_gguf(tmp)  # the file's digest and the manifest's, written into the manifest in place
         verification = None
@@ -454,6 +498,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         "exact": not coded_requant and src.artifact is not None and bool(kept),
         "codes_kept": len(kept),
         "requantized_by_llamacpp": len(requant),
+        "imatrix": imatrix_info,
         "tied_embeddings": tied,
         "qk_permuted": bool(src.layout.permute),
         "tokenizer": tok_info,

@@ -57,6 +57,8 @@ QTYPES: dict[str, QType] = {
     "q6_k": QType("q6_k", "Q6_K", "MOSTLY_Q6_K"),
     "q3_k_m": QType("q3_k_m", "Q3_K", "MOSTLY_Q3_K_M"),
     "q2_k": QType("q2_k", "Q2_K", "MOSTLY_Q2_K"),
+    "iq4_nl": QType("iq4_nl", "IQ4_NL", "MOSTLY_IQ4_NL"),
+    "iq4_xs": QType("iq4_xs", "IQ4_XS", "MOSTLY_IQ4_XS"),
 }
 
 # --- codes -> blocks --------------------------------------------------------------------------
@@ -121,7 +123,12 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 # --- llama.cpp's quantizer --------------------------------------------------------------------
 
 
-def llamacpp_quantize(src_path: Path, dst_path: Path, qtype: QType, n_threads: int | None = None) -> None:
+def llamacpp_quantize(src_path: Path, dst_path: Path, qtype: QType, n_threads: int | None = None,
+                      imatrix: dict | None = None) -> None:
+    """llama.cpp's quantizer on a whole file. ``imatrix``: {GGUF tensor name: mean squared input per
+    column (float32)} (``export.imatrix.read_imatrix``), passed as ``llama-quantize --imatrix`` passes it."""
+    import ctypes
+
     from ..models.gguf_check import quiet_native_stderr
     from ..models.source import require_llama_cpp
 
@@ -130,6 +137,18 @@ def llamacpp_quantize(src_path: Path, dst_path: Path, qtype: QType, n_threads: i
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{qtype.ftype}")
     params.nthread = n_threads or max(1, os.cpu_count() or 1)
     params.allow_requantize = False  # tensors already holding codes are copied, never re-quantized
+    keep = []  # the arrays the C side points into, alive until the call returns
+    if imatrix:
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
+        for i, (name, values) in enumerate(sorted(imatrix.items())):
+            arr = np.ascontiguousarray(values, dtype=np.float32)
+            keep.append((name.encode(), arr))
+            entries[i].name = keep[-1][0]
+            entries[i].data = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[i].size = arr.size
+        entries[len(imatrix)].name = None  # the terminator
+        keep.append(entries)
+        params.imatrix = entries
     with quiet_native_stderr(), native("llama.cpp's quantizer", src_path):
         rc = llama_cpp.llama_model_quantize(str(src_path).encode(), str(dst_path).encode(), params)
     if rc != 0:
