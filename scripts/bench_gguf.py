@@ -140,6 +140,34 @@ def calibration_text(model: str, out: Path, nsamples: int, seqlen: int) -> int:
     return int(calib.tokens.numel())
 
 
+def compare_imatrices(ours: Path, theirs: Path) -> dict:
+    """How slmedge's importance matrix agrees with llama-imatrix's on the same windows: per tensor the
+    relative difference of the per-column means (median over columns), then its median and maximum
+    over tensors, and the Pearson correlation of the log means."""
+    import numpy as np
+
+    from slmedge.export.imatrix import read_imatrix
+
+    a, _ = read_imatrix(ours)
+    b, _ = read_imatrix(theirs)
+    common = sorted(set(a) & set(b))
+    rel, corr = [], []
+    for name in common:
+        x, y = a[name].astype(np.float64), b[name].astype(np.float64)
+        rel.append(float(np.median(np.abs(x - y) / np.maximum(np.abs(y), 1e-12))))
+        corr.append(float(np.corrcoef(np.log(x + 1e-12), np.log(y + 1e-12))[0, 1]))
+    return {"ours": len(a), "theirs": len(b), "common": len(common),
+            "median_rel_diff": float(np.median(rel)) if rel else None, "max_rel_diff": max(rel) if rel else None,
+            "min_log_corr": min(corr) if corr else None}
+
+
+def tokens_seen(log_file: Path) -> str:
+    """llama-imatrix's own account of the text it was given (its log's tokenizing/chunk lines)."""
+    lines = [ln.split(" I ", 1)[-1].strip() for ln in log_file.read_text(errors="replace").splitlines()
+             if "computing over" in ln or "tokenization took" in ln]
+    return "; ".join(lines)
+
+
 def score(file: Path, model: str, work: Path, args) -> dict:
     out = file.with_name(file.name + ".score.json")
     inputs = {"file": digest(file), "reference": model, "fidelity_windows": args.fidelity_windows,
@@ -210,6 +238,9 @@ def main() -> int:
             run(slmedge("imatrix", model, "-o", ours_imx, "--nsamples", args.nsamples, "--seqlen", args.seqlen,
                         "--overwrite"), "slmedge imatrix", work / "logs" / "slmedge-imatrix.log")
             stamp(ours_imx, cal_inputs)
+        agreement = compare_imatrices(ours_imx, llama_imx)
+        log(f"importance matrices: {json.dumps(agreement)}; llama-imatrix: "
+            f"{tokens_seen(work / 'logs' / 'llama-imatrix.log') if (work / 'logs' / 'llama-imatrix.log').is_file() else '?'}")
         quantized = [("Q4_0", None)] + [(t, "llama") for t in args.types] + [(t, "slmedge") for t in args.types]
         for qtype, matrix in quantized:
             label = f"{qtype} " + {None: "no imatrix", "llama": "llama-imatrix", "slmedge": "slmedge imatrix"}[matrix]
@@ -248,7 +279,7 @@ def main() -> int:
         for label, (producer, file) in files.items():
             rows[label] = {"producer": producer, "file": file.name, **score(file, model, work, args)}
         (work / "results.json").write_text(json.dumps({"model": model, "args": {k: str(v) for k, v in vars(args).items()},
-                                                       "rows": rows}, indent=2))
+                                                       "imatrix_agreement": agreement, "rows": rows}, indent=2))
         summary[model] = rows
         print_table(model, rows)
     return 0

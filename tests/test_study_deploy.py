@@ -248,7 +248,9 @@ def test_the_new_formats_are_exports_of_a_study(tmp_path, tiny_models):
         assert {k: r["runtime"] for k, r in rows.items()} == {"none": "torch", "compressed-tensors": "torch",
                                                              "onnxruntime-genai": "onnxruntime-genai"}
         ppl = {k: r["metrics"]["perplexity"]["c.txt"] for k, r in rows.items()}
-        assert ppl["compressed-tensors"] == pytest.approx(ppl["none"], rel=1e-5)
+        # transformers 5.17-5.20 decode the checkpoint in fp32, bit for bit; 5.21+ multiply the codes by their
+        # fp16 scales in fp16 (each weight within 2^-11 relative; tests/test_export_compressed_tensors.py)
+        assert ppl["compressed-tensors"] == pytest.approx(ppl["none"], rel=2e-4)
         assert ppl["onnxruntime-genai"] == pytest.approx(ppl["none"], rel=2e-2)  # int4 kernels, fp16 embedding
         assert rows["compressed-tensors"]["export"]["codes"] == "kept"
         assert rows["onnxruntime-genai"]["export"]["codes"] == "kept"
