@@ -224,3 +224,55 @@ def test_an_architecture_slmedge_does_not_write_as_gguf_is_refused(tiny_models, 
               "--nsamples", NSAMPLES, "--seqlen", SEQLEN)
     one_line_error(res, "gemma2", "GGUF")
     assert res.exit_code == 1 and not (tmp_path / "g.gguf").exists()
+
+
+def test_a_study_puts_files_weighted_by_an_importance_matrix_in_its_grid(tmp_path, tiny_models):
+    """[[exports]] imatrix = true: each row's GGUF is quantized by llama.cpp weighted by slmedge's matrix of
+    the row's model on the study's calibration windows (for the base row: llama.cpp's imatrix file, the
+    baseline a llama.cpp user has for free); the matrix is not left behind, and its windows are part of
+    the job: other calibration settings make another file."""
+    import gguf
+
+    from conftest import tiny_study_file
+    from slmedge.evaluate.store import ResultsStore
+    from slmedge.export.gguf import read_gguf_manifest
+    from slmedge.study.engine import run_study
+    from slmedge.study.jobs import build_jobs
+    from slmedge.study.report import load_rows
+    from slmedge.study.spec import load_study
+
+    f = tiny_study_file(tmp_path, tiny_models("llama"), "imx", ['method = "none"'],
+                        exports=('"gguf"\ntype = "q4_0"', '"gguf"\ntype = "q4_0"\nimatrix = true'), calibration=True)
+    store = ResultsStore(tmp_path / "r.sqlite")
+    try:
+        counts = run_study(load_study(f), store)
+        assert counts["failed"] == 0 and counts["ran_by_kind"]["export"] == 2
+        rows = {r["labels"]["export"]: r for r in load_rows(store, "imx")}
+    finally:
+        store.close()
+    assert set(rows) == {"gguf-q4_0", "gguf-q4_0-imatrix"}
+    files = sorted((tmp_path / "work-imx" / "exports").glob("*.gguf"))
+    assert len(files) == 2 and not [p for p in (tmp_path / "work-imx" / "exports").iterdir() if p.name.startswith(".")]
+    manifests = {bool(read_gguf_manifest(p).get("imatrix")): p for p in files}
+    assert set(manifests) == {False, True}
+    weighted = read_gguf_manifest(manifests[True])["imatrix"]
+    assert weighted["chunk_count"] == 64 and weighted["chunk_size"] == 128 and weighted["datasets"] == ["c4"]
+    plain, imx = ({t.name: bytes(t.data) for t in gguf.GGUFReader(str(manifests[k])).tensors} for k in (False, True))
+    assert plain["blk.0.ffn_down.weight"] != imx["blk.0.ffn_down.weight"]
+    ppl = {k: r["metrics"]["perplexity"]["c.txt"] for k, r in rows.items()}
+    assert all(v > 0 for v in ppl.values())
+    # the windows are the job's inputs: 32 samples instead of 64 is another export
+    before = {j.id for j in build_jobs(load_study(f), tmp_path / "w") if j.kind == "export"}
+    f.write_text(f.read_text().replace("nsamples = 64", "nsamples = 32"))
+    after = {j.id for j in build_jobs(load_study(f), tmp_path / "w") if j.kind == "export"}
+    assert len(before & after) == 1  # the plain Q4_0 export reads no calibration
+
+
+def test_a_study_refuses_an_imatrix_where_llamacpp_does_not_quantize(tmp_path, tiny_models):
+    from conftest import tiny_study_file
+    from slmedge.study.spec import StudyError, load_study
+
+    for fmt in ('"gguf"\nimatrix = true', '"gguf"\ntype = "f16"\nimatrix = true', '"onnx"\ntype = "int4"\nimatrix = true'):
+        f = tiny_study_file(tmp_path, tiny_models("llama"), "bad", ['method = "none"'], exports=(fmt,))
+        with pytest.raises(StudyError, match=r"imatrix = true weights llama.cpp's quantizer"):
+            load_study(f)

@@ -226,7 +226,27 @@ def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) 
         from ..export.api import export
 
         source = job["source_path"]
-        report = export(source, spec["format"], spec["type"], out, overwrite=True, n_threads=threads)
+        if not spec.get("imatrix"):
+            report = export(source, spec["format"], spec["type"], out, overwrite=True, n_threads=threads)
+        else:  # the row's model's importance on the study's calibration, a temporary beside the output
+            from ..export.imatrix import make_imatrix
+            from ..fsutil import temp_name
+
+            im = spec["imatrix"]
+            if threads:
+                import torch
+
+                torch.set_num_threads(threads)
+            with output_lock(out):  # held for both steps: a killed run's matrix is the next writer's to remove
+                imatrix = temp_name(out, "stage")
+                try:
+                    make_imatrix(source, imatrix, calibration=im["calibration"], nsamples=im["nsamples"],
+                                 seqlen=im["seqlen"], seed=im["seed"], batch_size=im["batch_size"], data_dir=data_dir,
+                                 device="cpu", overwrite=True)
+                    report = export(source, spec["format"], spec["type"], out, overwrite=True, n_threads=threads,
+                                    imatrix=imatrix)
+                finally:
+                    imatrix.unlink(missing_ok=True)
         return {"output": str(out), "seconds": time.perf_counter() - t0,
                 "facts": levels.export_facts(fmt, report, bool(job["labels"].get("bits")))}
     from ..evaluate.api import EvalSettings, evaluate

@@ -40,6 +40,10 @@
     type = "auto"
     [[exports]]            # each method's natural files (DEPLOYABLE below): GGUF and ONNX with
     format = "deployable"  # the codes kept for quantized rows; dense f16 / 8-bit for pruned ones
+    [[exports]]            # llama.cpp's quantizer weighted by an importance matrix of the row's model
+    format = "gguf"        # on [calibration]'s windows (on the base row: llama-imatrix's baseline)
+    type = "iq4_xs"
+    imatrix = true
 
 Validated strictly before any work starts: an unknown key, a wrong type or an impossible
 combination is an error that names the file and the line.
@@ -68,7 +72,7 @@ from ..limits import check_plain_name
 
 _TOP = {"name": str, "description": str, "models": list, "seeds": list, "targets": list, "calibration": dict,
         "evaluate": dict, "methods": list, "exports": list, "workdir": str}
-_EXPORT = {"format": str, "type": str, "label": str}
+_EXPORT = {"format": str, "type": str, "label": str, "imatrix": bool}
 
 # Recipe fields the study sets for every method at once: [calibration] key -> Recipe field.
 CALIBRATION_FIELDS = {"dataset": "calibration", "nsamples": "nsamples", "seqlen": "seqlen", "batch_size": "batch_size"}
@@ -181,6 +185,10 @@ class ExportSpec:
     label: str
     format: str  # none | deployable | a registered export format (gguf, onnx, ...)
     type: str = "auto"
+    # GGUF: llama.cpp's quantizer weighted by an importance matrix slmedge computes on the study's
+    # [calibration] windows for the row's own model (`slmedge imatrix`): for the base rows, what
+    # `llama-imatrix` + `llama-quantize --imatrix` give a llama.cpp user for free.
+    imatrix: bool = False
 
 
 # format = "deployable": each method's natural files, by its family (study/levels.py). Quantized
@@ -397,7 +405,12 @@ def load_study(path) -> Study:
             if qtype != "auto" and qtype not in known.types:
                 _fail(file, lines, (*where, "type"),
                       f"unknown {known.label} type '{qtype}' (auto, {', '.join(known.types)})")
-        exports.append(ExportSpec(e.get("label") or (fmt if fmt == "none" else f"{fmt}-{qtype}"), fmt, qtype))
+        imatrix = bool(e.get("imatrix", False))
+        if imatrix and (fmt != "gguf" or qtype in ("auto", "f16", "f32")):
+            _fail(file, lines, (*where, "imatrix"), "imatrix = true weights llama.cpp's quantizer: it needs format = "
+                  "\"gguf\" and a type llama.cpp quantizes (q4_k_m, iq4_xs, q4_0, ...), not auto, f16 or f32")
+        label = e.get("label") or (fmt if fmt == "none" else f"{fmt}-{qtype}" + ("-imatrix" if imatrix else ""))
+        exports.append(ExportSpec(label, fmt, qtype, imatrix))
 
     for t in targets:
         prof = get_profile(t)
