@@ -225,6 +225,20 @@ CASES = [
          ["{f}/edited-artifact", "slmedge.json"]),
     Case("export-offline-hub-id", ["export", "nobody/nothing", "-o", "{w}/m.gguf"], INPUT, ["nobody/nothing", "no network"],
          patch=no_network, seconds=5),
+    Case("export-imatrix-not-a-matrix", E + ["--type", "q4_k_m", "--imatrix", "{f}/corrupt.gguf", "-o", "{w}/m.gguf"],
+         INPUT, ["{f}/corrupt.gguf", "not an importance matrix"]),
+    Case("export-imatrix-missing", E + ["--type", "q4_k_m", "--imatrix", "{w}/none.gguf", "-o", "{w}/m.gguf"], INPUT,
+         ["{w}/none.gguf", "does not exist"]),
+    Case("export-imatrix-for-onnx", E + ["--format", "onnx", "--imatrix", "{f}/corrupt.gguf", "-o", "{w}/o"], SETTING,
+         ["--imatrix", "gguf"]),
+    # imatrix
+    Case("imatrix-missing-model", ["imatrix", "{w}/nomodel", "-o", "{w}/m.gguf"], INPUT, ["{w}/nomodel"]),
+    Case("imatrix-corrupt-gguf", ["imatrix", "{f}/corrupt.gguf", "-o", "{w}/m.gguf"], INPUT, ["{f}/corrupt.gguf"]),
+    Case("imatrix-nsamples-0", ["imatrix", "{tiny}", "--nsamples", "0", "-o", "{w}/m.gguf"], SETTING, ["--nsamples"]),
+    Case("imatrix-not-a-gguf-name", ["imatrix", "{tiny}", "-o", "{w}/m.dat"], SETTING, ["{w}/m.dat", ".gguf"]),
+    Case("imatrix-onto-a-folder", ["imatrix", "{tiny}", "-o", "{f}/emptydir"], INPUT, ["{f}/emptydir", "directory"]),
+    Case("imatrix-overwrite-foreign-file", ["imatrix", "{tiny}", "-o", "{f}/existing.html", "--overwrite"], INPUT,
+         ["{f}/existing.html", "not an importance matrix slmedge wrote"]),
     # inspect
     Case("inspect-plain-folder", ["inspect", "{f}/plain"], INPUT, ["{f}/plain", "inspect takes"]),
     Case("inspect-empty-folder", ["inspect", "{f}/emptydir"], INPUT, ["{f}/emptydir", "inspect takes"]),
@@ -693,7 +707,7 @@ def test_the_table_covers_every_command():
     for case in CASES:
         counts[case.args[0]] = counts.get(case.args[0], 0) + 1
     assert set(counts) >= {"compress", "export", "inspect", "evaluate", "run", "study", "report", "targets", "data",
-                           "methods"}
+                           "methods", "imatrix"}
     assert len(CASES) >= 80, counts
 
 
