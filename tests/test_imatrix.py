@@ -276,3 +276,30 @@ def test_a_study_refuses_an_imatrix_where_llamacpp_does_not_quantize(tmp_path, t
         f = tiny_study_file(tmp_path, tiny_models("llama"), "bad", ['method = "none"'], exports=(fmt,))
         with pytest.raises(StudyError, match=r"imatrix = true weights llama.cpp's quantizer"):
             load_study(f)
+
+
+def test_an_artifact_that_keeps_its_codes_has_nothing_for_the_matrix_to_weight(artifacts, tiny_models, calib_file,
+                                                                               tmp_path):
+    """An RTN W4 g32 sym artifact to Q4_0: every block keeps its codes; llama.cpp quantizes the embedding and
+    head alone, which a matrix (without --process-output) does not cover: a bad setting, said as such."""
+    imx = make(tiny_models("llama"), tmp_path / "m.imatrix.gguf", calib_file)
+    art = artifacts("llama", "rtn", bits=4, group_size=32, symmetric=True)
+    res = cli("export", art, "--format", "gguf", "--type", "q4_0", "-o", tmp_path / "a.gguf", "--imatrix", imx)
+    one_line_error(res, "nothing to weight", "keep their codes")
+    assert res.exit_code == 2 and not (tmp_path / "a.gguf").exists()
+
+
+def test_a_full_disk_while_writing_the_matrix_is_one_line(tiny_models, calib_file, tmp_path, monkeypatch):
+    import errno
+
+    import gguf
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full)
+    out = tmp_path / "m.imatrix.gguf"
+    res = cli("imatrix", tiny_models("llama"), "-o", out, "--calibration", calib_file, "--nsamples", NSAMPLES,
+              "--seqlen", SEQLEN)
+    one_line_error(res, "no space left", "m.imatrix.gguf")
+    assert res.exit_code == 1 and not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

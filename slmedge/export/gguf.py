@@ -265,11 +265,15 @@ def _importance_for(values: dict, meta: dict, path, requant: list[str], report_t
             used[name] = values[name]
         elif name.startswith("blk.") and len(report_tensors[name]["shape"]) == 2:
             lacking.append(name)  # llama-imatrix records every block's weight matrices
-    if lacking or not used:
-        shown = ", ".join(sorted(lacking or requant)[:2])
+    if lacking:
+        shown = ", ".join(sorted(lacking)[:2])
         raise ImatrixError(f"the importance matrix {path} has no entry for {shown}"
-                           f"{' and others' if len(lacking or requant) > 2 else ''}, which llama.cpp quantizes here: "
+                           f"{' and others' if len(lacking) > 2 else ''}, which llama.cpp quantizes here: "
                            "it was made for another model")
+    if not used:  # only tensors outside the blocks go through the quantizer (an artifact's embedding, head)
+        raise ConfigError(f"--imatrix: llama.cpp's quantizer only gets {', '.join(sorted(requant))} in this {qtype} "
+                          "export (the blocks keep their codes), and the importance matrix has no entry for them "
+                          "(llama-imatrix records the output only with --process-output): nothing to weight")
     info = {"file": Path(path).name, "sha256": sha256_file(path), "entries_used": len(used),
             "chunk_count": meta["chunk_count"], "chunk_size": meta["chunk_size"], "datasets": meta["datasets"]}
     return used, info

@@ -87,6 +87,12 @@ def write_imatrix(path: str | os.PathLike, stats: dict, names: dict[str, str], *
         writer.write_tensors_to_file()
         writer.close()
         os.replace(tmp, out)
+    except OSError as exc:
+        from ..fsutil import disk_full, no_space
+
+        if disk_full(exc):
+            raise no_space(out, sum(8 * st.sum2.numel() + 64 for st in stats.values())) from exc
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()
