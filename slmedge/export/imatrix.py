@@ -61,14 +61,7 @@ def write_imatrix(path: str | os.PathLike, stats: dict, names: dict[str, str], *
     from ..fsutil import temp_name
 
     out = Path(path)
-    if out.exists():
-        if out.is_dir():
-            raise OutputExistsError(f"{out} is a directory: an importance matrix is one file; give a path ending in .gguf")
-        if read_identity(out) is None:
-            raise OutputExistsError(f"{out} is not an importance matrix slmedge wrote; --overwrite only replaces "
-                                    "slmedge's own outputs: choose another output")
-        if not overwrite:
-            raise OutputExistsError(f"{out} exists; pass --overwrite to replace it")
+    check_output(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(out)
     try:
