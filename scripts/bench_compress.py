@@ -7,8 +7,8 @@ perplexity and theirs. llm-compressor runs in its own virtualenv (it needs trans
 created by scripts/bench/llmc_env.sh; it gets our token ids, never re-tokenizes. Times are the
 compression call alone (their ``oneshot``, our calibration + compression + writing the artifact
 block by block as ``slmedge compress`` does; ``--in-memory``: the whole model kept in fp32 and
-nothing written, what the tables in docs/benchmarks.md before 2026-12-02 timed), run one after
-the other, never at the same time: on 2 cores anything running beside a timed run distorts it.
+nothing written, what the tables of docs/development/notebook.md before 2026-12-02 timed), run one
+after the other, never at the same time: on 2 cores anything running beside a timed run distorts it.
 The 1-minute load average (``uptime``) is recorded before and after each timed call (columns
 ``load``: ours before/after, theirs before/after): a load above the core count means something
 else shared the cores, and both sides' times are then inflated (ratios within one run still

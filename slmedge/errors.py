@@ -94,6 +94,15 @@ class OutputExistsError(OutputError):
     or at all: what slmedge did not write there)."""
 
 
+class DiskFullError(OutputError):
+    """No space left where slmedge writes: the message names the path and about how much the write
+    needed (``slmedge.fsutil.no_space``); nothing that looks complete is left there."""
+
+    def __init__(self, message: str, path=None, needed: int | None = None):
+        super().__init__(message)
+        self.path, self.needed = path, needed
+
+
 class ArtifactError(SlmedgeError):
     """An artifact directory is incomplete, corrupt, or fails its checksums."""
 

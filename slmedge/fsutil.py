@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from .errors import DataError, OutputError, OutputExistsError, SlmedgeError
+from .errors import DataError, DiskFullError, OutputError, OutputExistsError, SlmedgeError
 
 _TMP_MARK = ".slmedge-tmp-"
 LOCK_MARK = ".slmedge-lock-"
@@ -109,16 +109,23 @@ def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` under a temporary name beside ``path``, then rename it into place (a writer of
-    the same path at the same time waits for this one)."""
+    the same path at the same time waits for this one). Missing folders above ``path`` are created
+    (as compress and export create theirs), and removed again when the write fails; a full disk is a
+    DiskFullError naming ``path`` and the bytes it needed."""
     path = Path(path)
+    data = text.encode("utf-8")
     with output_lock(path, wait=True):
         tmp = temp_name(path, "file")
         try:
-            with open(tmp, "w", encoding="utf-8") as handle:
-                handle.write(text)
+            with open(tmp, "wb") as handle:
+                handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, path)
+        except OSError as exc:
+            if disk_full(exc):
+                raise no_space(path, len(data)) from exc
+            raise
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -387,6 +394,24 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
+def mb(n: int | float) -> str:
+    """A size in MB for a message: 0.02, 3.4, 512."""
+    n = n / 1e6
+    return f"{n:.0f}" if n >= 10 else f"{n:.1f}" if n >= 1 else f"{max(n, 0.01):.2f}"
+
+
+def no_space(path, needed: int | None, *, at_least: bool = False,
+             left: str = "nothing was written there") -> DiskFullError:
+    """The error for a full disk while writing ``path``: ``no space left on PATH (needed about N MB)``
+    (``at_least``: N is what had been written when the disk filled, so the need is more), then what
+    was ``left`` as it was."""
+    if needed is None:
+        size = ""
+    else:
+        size = f" (needed {'more than' if at_least else 'about'} {mb(needed)} MB)"
+    return DiskFullError(f"no space left on {path}{size}; {left}", path, needed)
+
+
 def disk_full(exc: BaseException | None) -> bool:
     """Whether ``exc`` (or what it wraps) says the disk is full: an OSError with ENOSPC, or a
     library's own error around one (safetensors' writer raises ``SafetensorError: Error while
@@ -396,7 +421,11 @@ def disk_full(exc: BaseException | None) -> bool:
             return False
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             return True
-        if "no space left on" in str(exc).lower():  # ours ("... on the device") and the C library's
+        text = str(exc).lower()
+        if "no space left on" in text or "database or disk is full" in text:  # ours, the C library's, SQLite's
+            return True
+        # numpy's tofile (the GGUF writer's tensor data) reports a short write without an errno
+        if isinstance(exc, OSError) and re.search(r"\d+ requested and \d+ written", text):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -428,13 +457,14 @@ def refuse_replacing(path: Path, overwrite: bool, manifest: str | None, inputs=(
         if src is not None and Path(src).exists() and _related(path, Path(src)):
             raise OutputExistsError(f"output {path} is (or holds, or is inside) the input {src}; choose another output")
     if path.is_dir() and any(path.iterdir()):
-        if not overwrite:
-            raise OutputExistsError(f"output directory {path} is not empty; pass --overwrite to replace it")
+        # What slmedge did not write there first: --overwrite is advised only where it would then work.
         foreign = foreign_entries(path, manifest)
         if manifest is not None and foreign:
             shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
             raise OutputExistsError(f"output directory {path} holds what slmedge did not write there ({shown}); "
                                     "--overwrite only replaces slmedge's own outputs: choose another output")
+        if not overwrite:
+            raise OutputExistsError(f"output directory {path} is not empty; pass --overwrite to replace it")
 
 
 def check_output_dir(path: str | os.PathLike, overwrite: bool, manifest: str | None = None, inputs=()) -> Path:
@@ -469,7 +499,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_directory(dest: str | os.PathLike, overwrite: bool = False, manifest: str | None = None) -> Iterator[Path]:
+def atomic_directory(dest: str | os.PathLike, overwrite: bool = False, manifest: str | None = None,
+                     needed: int | None = None) -> Iterator[Path]:
     """Yield an empty temporary directory that becomes ``dest`` only if the block succeeds.
     With ``manifest``, an existing ``dest`` is replaced only if everything in it is what slmedge
     wrote there (that manifest lists it).
@@ -477,8 +508,10 @@ def atomic_directory(dest: str | os.PathLike, overwrite: bool = False, manifest:
     ``dest``'s lock is held throughout (``output_lock``; a writer that took it first, to refuse a
     second writer before any work, keeps it; otherwise another writer of ``dest`` is waited for).
     On any exception (KeyboardInterrupt included) the temporary directory is removed and
-    ``dest`` is left exactly as it was. A run killed outright leaves only a hidden
-    ``.slmedge-tmp-*`` directory, which the next run that writes there removes.
+    ``dest`` is left exactly as it was; a full disk is a DiskFullError naming ``dest`` and the bytes
+    it ``needed`` (when the writer says; else what had been written when the disk filled). A run
+    killed outright leaves only a hidden ``.slmedge-tmp-*`` directory, which the next run that writes
+    there removes.
     """
     dest = Path(dest).resolve()
     with output_lock(dest, wait=True):
@@ -495,13 +528,23 @@ def atomic_directory(dest: str | os.PathLike, overwrite: bool = False, manifest:
             else:
                 os.replace(tmp, dest)
         except Exception as exc:
+            written = _tree_bytes(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
-            if disk_full(exc):
-                raise SlmedgeError(f"no space left on the device while writing {dest}; nothing was written") from exc
+            if disk_full(exc):  # named by the destination, never the temporary folder
+                known = needed or (exc.needed if isinstance(exc, DiskFullError) else None)
+                raise no_space(dest, known or written, at_least=not known) from exc
             raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+def _tree_bytes(folder: Path) -> int:
+    """The bytes of the files under ``folder`` (0 where it cannot be read)."""
+    try:
+        return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+    except OSError:
+        return 0
 
 
 def proc_kib_field(path: str, key: str) -> int | None:

@@ -23,18 +23,31 @@ except ImportError as exc:  # pragma: no cover - only without the optional depen
 
 import numpy as np
 
+from .errors import ConfigError
 from .evaluate.subject import open_subject
+from .limits import check, check_length, check_threads, usable_cpus
+from .models.shape import model_shape
 from .evaluate.tasks import encode_pair, score_pairs
 
 
 @register_model("slmedge")
 class SlmedgeLM(LM):
     def __init__(self, model: str | None = None, runtime: str | None = None, threads: int | None = None,
-                 max_length: int = 2048, max_gen_toks: int = 256, **kwargs):
+                 max_length: int | None = None, max_gen_toks: int = 256, **kwargs):
         super().__init__()
-        self.max_length = int(max_length)
-        self.max_gen_toks = int(max_gen_toks)
-        self.sub = open_subject(model, runtime, int(threads) if threads else None, n_ctx=self.max_length + 8)
+        # The ranges of slmedge.limits, and the lengths against the model's positions, before it opens.
+        shape = model_shape(model)
+        positions = shape.positions if shape is not None else None
+        if max_length is None:  # lm-eval's usual 2048, or the model's positions where it has fewer
+            max_length = min(DEFAULT_MAX_LENGTH, positions) if positions else DEFAULT_MAX_LENGTH
+        self.max_length = _number("max_length", max_length, "context")
+        self.max_gen_toks = _number("max_gen_toks", max_gen_toks, "tg")
+        threads = _number("threads", threads, "threads") if threads else None
+        for name, value in (("max_length", self.max_length), ("max_gen_toks", self.max_gen_toks)):
+            if shape is not None:
+                check_length(name, value, positions, shape.positions_from)
+        check_threads(threads, usable_cpus(), "threads", "this machine")
+        self.sub = open_subject(model, runtime, threads, n_ctx=self.max_length + 8)
         self.rt, self.enc = self.sub.runtime, self.sub.encoder
 
     # -- loglikelihood ------------------------------------------------------------------------
@@ -88,6 +101,18 @@ class SlmedgeLM(LM):
                 return text[:cut]
             last, state = self.rt._step(token, state, len(ids) + i)
         return tok.decode(generated) if tok is not None else self.rt.llm.detokenize(generated).decode("utf-8", "ignore")
+
+
+DEFAULT_MAX_LENGTH = 2048  # lm-eval's own models' default
+
+
+def _number(name: str, value, key: str) -> int:
+    """A --model_args number (lm-eval passes text or an int) in the range slmedge.limits declares for ``key``."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--model_args {name} must be an integer, got {value!r}") from None
+    return check(key, number, f"--model_args {name}")
 
 
 def main() -> None:  # pragma: no cover - a thin wrapper around lm-eval's own CLI

@@ -190,3 +190,44 @@ def study_data_files(folder: Path) -> tuple[Path, Path]:
         {"query": "The sky is", "choices": ["blue", "green grass", "a"], "gold": 0},
         {"query": "Two and two make", "choices": ["four", "seven", "many fish"], "gold": 0}]), encoding="utf-8")
     return corpus, tasks
+
+
+def tiny_study_file(folder: Path, model, name: str, methods: list[str], exports=('"none"',), *,
+                    workdir: str | None = None, corpus: Path | None = None, calibration: bool = False,
+                    ppl_windows: int = 1) -> Path:
+    """A study file for the tests' short studies: one model, seed 0 on the cpu target, perplexity on a
+    tiny corpus (study_data_files' unless given) in ``ppl_windows`` 32-token windows; ``methods`` are the bodies of
+    its [[methods]] tables, ``exports`` the formats of its [[exports]]; ``calibration``: 64 x 128
+    tokens of the shipped c4 text (what GPTQ needs). Written to ``folder/<name>.toml``."""
+    if corpus is None:
+        corpus, _ = study_data_files(folder)
+    text = f'''name = "{name}"
+models = ["{model}"]
+seeds = [0]
+targets = ["cpu"]
+workdir = "{workdir or f"work-{name}"}"
+
+[evaluate]
+metrics = ["perplexity"]
+langs = []
+wikitext = false
+corpora = ["{corpus}"]
+seqlen = 32
+ppl_windows = {ppl_windows}
+threads = 1
+'''
+    if calibration:
+        text += '\n[calibration]\ndataset = "c4"\nnsamples = 64\nseqlen = 128\n'
+    text += "".join(f"\n[[methods]]\n{m}\n" for m in methods)
+    text += "".join(f"\n[[exports]]\nformat = {e}\n" for e in exports)
+    f = folder / f"{name}.toml"
+    f.write_text(text)
+    return f
+
+
+def single_scheme_transformers() -> bool:
+    """transformers 5.21+ decodes every dense layer of a compressed-tensors checkpoint with one config
+    group's scheme (``get_dense_scheme``); 5.17-5.20 give each layer its own group's."""
+    from transformers.integrations import compressed_tensors as integration
+
+    return hasattr(integration, "get_dense_scheme")

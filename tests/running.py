@@ -29,9 +29,17 @@ def held_at(module: str, attr: str, ready: Path, seconds: float = 60.0) -> str:
             f"_m.{attr} = _held\n")
 
 
+# A terminal starts a command with Ctrl-C delivered and turned into KeyboardInterrupt. A child of the
+# test process would inherit that process's state instead: a SIGINT another library left ignored or
+# blocked there (both survive fork and exec) would make Ctrl-C tests wait out their timeouts.
+TERMINAL_SIGNALS = ("import signal as _s\n_s.pthread_sigmask(_s.SIG_UNBLOCK, {_s.SIGINT, _s.SIGTERM})\n"
+                    "_s.signal(_s.SIGINT, _s.default_int_handler)\n")
+
+
 def slmedge(args: list[str], cwd: Path, setup: str = "", env: dict | None = None, **kw) -> subprocess.Popen:
-    """``slmedge ARGS`` as the command line runs it (``main()``), after ``setup`` (Python source)."""
-    code = (f"import sys\n{setup}\nfrom slmedge.cli import main\n"
+    """``slmedge ARGS`` as the command line runs it from a terminal (``main()``), after ``setup``
+    (Python source)."""
+    code = (f"import sys\n{TERMINAL_SIGNALS}{setup}\nfrom slmedge.cli import main\n"
             f"sys.argv = ['slmedge', *{[str(a) for a in args]!r}]\nmain()\n")
     return subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)

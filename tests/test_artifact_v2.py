@@ -326,7 +326,6 @@ def test_gguf_exports_of_v1_and_v2_are_byte_identical(method, kw, qtype, tiny_mo
 @pytest.mark.parametrize("method,kw,otype", [("gptq", dict(bits=4, act_order=True), "auto"),
                                              ("wanda", dict(bits=None, sparsity=0.5), "fp32")])
 def test_onnx_exports_of_v1_and_v2_are_byte_identical(method, kw, otype, tiny_models, calib_file, tmp_path):
-    pytest.importorskip("optimum")
     from slmedge.export.onnx import EXPORT_MANIFEST, export_onnx
 
     v1, v2, _ = both_versions(tiny_models("llama"), calib_file, tmp_path, method, **kw)

@@ -45,6 +45,7 @@ class Case:
     usage: bool = False  # click's own usage error ("Error: ..." after the usage line)
     absent: list[str] = field(default_factory=list)  # paths (under {w}) that must not exist afterwards
     seconds: float | None = None  # must finish within
+    unwords: list[str] = field(default_factory=list)  # must not be in the line (advice that would not work)
 
 
 # --- patches ------------------------------------------------------------------------------------
@@ -93,6 +94,41 @@ def profiles(monkeypatch, fx):
     monkeypatch.setenv("SLMEDGE_TARGETS", str(fx / "targets"))
 
 
+def memory(available: int):
+    """The machine has ``available`` bytes of memory free (MemAvailable), whatever it has now."""
+
+    def patch(monkeypatch, fx):
+        import slmedge.fsutil
+
+        monkeypatch.setattr(slmedge.fsutil, "memory_available", lambda: available)
+
+    return patch
+
+
+def cores(n: int):
+    """This process may run on ``n`` CPUs, whatever the machine has."""
+
+    def patch(monkeypatch, fx):
+        import slmedge.limits
+
+        monkeypatch.setattr(slmedge.limits, "usable_cpus", lambda: n)
+
+    return patch
+
+
+def never_loads(monkeypatch, fx):
+    """Loading a model fails the test: what is refused must be refused before."""
+    import slmedge.compress.api
+    import slmedge.evaluate.subject
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before its settings were refused")
+
+    for module in (slmedge.compress.api, slmedge.evaluate.subject):
+        monkeypatch.setattr(module, "load", load)
+    monkeypatch.setattr(slmedge.evaluate.subject, "open_subject", load)
+
+
 # --- the table ----------------------------------------------------------------------------------
 
 C = ["compress", "{tiny}"]
@@ -115,14 +151,14 @@ CASES = [
     Case("compress-quantizer-given-sparsity", C + ["--method", "rtn", "--sparsity", "0.5"] + OUT, SETTING,
          ["rtn", "does not prune"]),
     Case("compress-group-1024-on-64-wide", C + ["--method", "rtn", "-g", "1024"] + OUT, SETTING, ["group size 1024"]),
-    Case("compress-group-0", C + ["-g", "0"] + OUT, SETTING, ["group size", "0"]),
+    Case("compress-group-0", C + ["-g", "0"] + OUT, SETTING, ["--group-size", "got 0"]),
     Case("compress-nsamples-0", C + ["--nsamples", "0"] + OUT, SETTING, ["nsamples", "0"]),
     Case("compress-seqlen-0", C + ["--seqlen", "0"] + OUT, SETTING, ["seqlen", "0"]),
     Case("compress-seqlen-past-positions", C + ["--method", "gptq", "--seqlen", "1024"] + OUT, SETTING,
          ["seqlen 1024", "max_position_embeddings"]),
-    Case("compress-batch-size-0", C + ["--batch-size", "0"] + OUT, SETTING, ["batch_size", "0"]),
+    Case("compress-batch-size-0", C + ["--batch-size", "0"] + OUT, SETTING, ["--batch-size", "got 0"]),
     Case("compress-damp-negative", C + ["--method", "gptq", "--damp", "-1"] + OUT, SETTING, ["damp", "-1"]),
-    Case("compress-awq-grid-0", C + ["--awq-grid", "0"] + OUT, SETTING, ["awq_grid", "0"]),
+    Case("compress-awq-grid-0", C + ["--awq-grid", "0"] + OUT, SETTING, ["--awq-grid", "got 0"]),
     Case("compress-awq-include-head", C + ["--include-head"] + OUT, SETTING, ["awq", "lm_head"]),
     Case("compress-unknown-device", C + ["--device", "tpu"] + OUT, SETTING, ["device 'tpu'"]),
     Case("compress-unknown-calibration", C + ["--calibration", "wikipedia"] + OUT, SETTING, ["'wikipedia'"]),
@@ -135,7 +171,9 @@ CASES = [
     Case("compress-output-is-the-input", C + ["-o", "{tiny}", "--overwrite"], INPUT, ["{tiny}", "the input"]),
     Case("compress-output-inside-the-input", C + ["-o", "{tiny}/out", "--overwrite"], INPUT, ["{tiny}/out", "input"]),
     Case("compress-overwrite-foreign-folder", C + ["-o", "{f}/foreign", "--overwrite"], INPUT, ["{f}/foreign", "mine.txt"]),
-    Case("compress-non-empty-folder", C + ["-o", "{f}/foreign"], INPUT, ["{f}/foreign", "--overwrite"]),
+    # a folder of someone else's: no advice to pass --overwrite (it would be refused then too)
+    Case("compress-non-empty-folder", C + ["-o", "{f}/foreign"], INPUT, ["{f}/foreign", "mine.txt", "choose another"],
+         unwords=["pass --overwrite"]),
     Case("compress-output-is-a-file", C + ["-o", "{f}/existing.html"], INPUT, ["{f}/existing.html", "folder"]),
     Case("compress-output-unwritable", C + ["-o", "/proc/x/y"], INPUT, ["/proc/x/y"]),
     Case("compress-missing-model-makes-no-folders", ["compress", "{w}/nomodel", "-o", "a/b/c"], INPUT, ["{w}/nomodel"],
@@ -158,18 +196,20 @@ CASES = [
     Case("export-unknown-gguf-type", E + ["--type", "q9_9", "-o", "{w}/m.gguf"], SETTING, ["q9_9"]),
     Case("export-unknown-onnx-type", E + ["--format", "onnx", "--type", "int9", "-o", "{w}/o"], SETTING, ["int9"]),
     Case("export-accuracy-level-9", E + ["--format", "onnx", "--type", "int4", "--accuracy-level", "9", "-o", "{w}/o"],
-         SETTING, ["--accuracy-level must be 0..4, got 9"]),
+         SETTING, ["--accuracy-level must be an integer from 0 to 4, got 9"]),
     Case("export-accuracy-level-negative", E + ["--format", "onnx", "--accuracy-level", "-1", "-o", "{w}/o"], SETTING,
          ["--accuracy-level", "-1"]),
-    Case("export-threads-0", E + ["--threads", "0", "-o", "{w}/m.gguf"], SETTING, ["--threads must be at least 1, got 0"]),
+    Case("export-threads-0", E + ["--threads", "0", "-o", "{w}/m.gguf"], SETTING,
+         ["--threads must be an integer of at least 1, got 0"]),
     Case("export-onnx-block-size-0", E + ["--format", "onnx", "--type", "int4", "--block-size", "0", "-o", "{w}/o"],
-         SETTING, ["block size", "0"]),
+         SETTING, ["--block-size", "got 0"]),
     Case("export-gguf-named-onnx", E + ["-o", "{w}/m.onnx"], SETTING, ["{w}/m.onnx", ".gguf"]),
     Case("export-onnx-named-dot-onnx", E + ["--format", "onnx", "-o", "{w}/m.onnx"], SETTING, ["{w}/m.onnx", "folder"]),
     Case("export-gguf-onto-a-folder", E + ["-o", "{f}/emptydir"], INPUT, ["{f}/emptydir", "must be a file path"]),
     Case("export-gguf-onto-a-folder-overwrite", E + ["-o", "{f}/foreign", "--overwrite"], INPUT,
          ["{f}/foreign", "must be a file path"]),
-    Case("export-gguf-onto-a-file", E + ["-o", "{f}/existing.html"], INPUT, ["{f}/existing.html", "--overwrite"]),
+    Case("export-gguf-onto-a-file", E + ["-o", "{f}/existing.html"], INPUT, ["{f}/existing.html", "not a GGUF file"],
+         unwords=["pass --overwrite"]),
     Case("export-gguf-overwrite-foreign-file", E + ["-o", "{f}/existing.html", "--overwrite"], INPUT,
          ["{f}/existing.html", "not a GGUF file slmedge wrote"]),
     Case("export-onnx-overwrite-foreign-folder", E + ["--format", "onnx", "-o", "{f}/foreign", "--overwrite"], INPUT,
@@ -185,6 +225,20 @@ CASES = [
          ["{f}/edited-artifact", "slmedge.json"]),
     Case("export-offline-hub-id", ["export", "nobody/nothing", "-o", "{w}/m.gguf"], INPUT, ["nobody/nothing", "no network"],
          patch=no_network, seconds=5),
+    Case("export-imatrix-not-a-matrix", E + ["--type", "q4_k_m", "--imatrix", "{f}/corrupt.gguf", "-o", "{w}/m.gguf"],
+         INPUT, ["{f}/corrupt.gguf", "not an importance matrix"]),
+    Case("export-imatrix-missing", E + ["--type", "q4_k_m", "--imatrix", "{w}/none.gguf", "-o", "{w}/m.gguf"], INPUT,
+         ["{w}/none.gguf", "does not exist"]),
+    Case("export-imatrix-for-onnx", E + ["--format", "onnx", "--imatrix", "{f}/corrupt.gguf", "-o", "{w}/o"], SETTING,
+         ["--imatrix", "gguf"]),
+    # imatrix
+    Case("imatrix-missing-model", ["imatrix", "{w}/nomodel", "-o", "{w}/m.gguf"], INPUT, ["{w}/nomodel"]),
+    Case("imatrix-corrupt-gguf", ["imatrix", "{f}/corrupt.gguf", "-o", "{w}/m.gguf"], INPUT, ["{f}/corrupt.gguf"]),
+    Case("imatrix-nsamples-0", ["imatrix", "{tiny}", "--nsamples", "0", "-o", "{w}/m.gguf"], SETTING, ["--nsamples"]),
+    Case("imatrix-not-a-gguf-name", ["imatrix", "{tiny}", "-o", "{w}/m.dat"], SETTING, ["{w}/m.dat", ".gguf"]),
+    Case("imatrix-onto-a-folder", ["imatrix", "{tiny}", "-o", "{f}/emptydir"], INPUT, ["{f}/emptydir", "directory"]),
+    Case("imatrix-overwrite-foreign-file", ["imatrix", "{tiny}", "-o", "{f}/existing.html", "--overwrite"], INPUT,
+         ["{f}/existing.html", "not an importance matrix slmedge wrote"]),
     # inspect
     Case("inspect-plain-folder", ["inspect", "{f}/plain"], INPUT, ["{f}/plain", "inspect takes"]),
     Case("inspect-empty-folder", ["inspect", "{f}/emptydir"], INPUT, ["{f}/emptydir", "inspect takes"]),
@@ -196,15 +250,15 @@ CASES = [
     Case("inspect-edited-artifact-manifest", ["inspect", "{f}/edited-artifact"], INPUT,
          ["{f}/edited-artifact", "slmedge.json"]),
     # evaluate: settings
-    Case("evaluate-threads-0", V + ["--threads", "0"], SETTING, ["--threads must be at least 1, got 0"]),
-    Case("evaluate-threads-negative", V + ["--threads", "-1"], SETTING, ["--threads must be at least 1, got -1"]),
-    Case("evaluate-context-0", V + ["--context", "0"], SETTING, ["--context must be at least 2, got 0"]),
-    Case("evaluate-ppl-windows-negative", V + ["--ppl-windows", "-1"], SETTING, ["--ppl-windows must be at least 1, got -1"]),
-    Case("evaluate-pp-0", V + ["--pp", "0"], SETTING, ["--pp must be at least 1, got 0"]),
-    Case("evaluate-tg-0", V + ["--tg", "0"], SETTING, ["--tg must be at least 1, got 0"]),
-    Case("evaluate-repeats-0", V + ["--repeats", "0"], SETTING, ["--repeats must be at least 1, got 0"]),
-    Case("evaluate-limit-0", V + ["--limit", "0"], SETTING, ["--limit must be positive, got 0"]),
-    Case("evaluate-seqlen-1", V + ["--seqlen", "1"], SETTING, ["window length", "1"]),
+    Case("evaluate-threads-0", V + ["--threads", "0"], SETTING, ["--threads must be an integer of at least 1, got 0"]),
+    Case("evaluate-threads-negative", V + ["--threads", "-1"], SETTING, ["--threads", "at least 1, got -1"]),
+    Case("evaluate-context-0", V + ["--context", "0"], SETTING, ["--context", "at least 2, got 0"]),
+    Case("evaluate-ppl-windows-negative", V + ["--ppl-windows", "-1"], SETTING, ["--ppl-windows", "got -1"]),
+    Case("evaluate-pp-0", V + ["--pp", "0"], SETTING, ["--pp", "at least 1, got 0"]),
+    Case("evaluate-tg-0", V + ["--tg", "0"], SETTING, ["--tg", "at least 1, got 0"]),
+    Case("evaluate-repeats-0", V + ["--repeats", "0"], SETTING, ["--repeats", "at least 1, got 0"]),
+    Case("evaluate-limit-0", V + ["--limit", "0"], SETTING, ["--limit", "at least 1, got 0"]),
+    Case("evaluate-seqlen-1", V + ["--seqlen", "1"], SETTING, ["--seqlen", "at least 2, got 1"]),
     Case("evaluate-stride-0", V + ["--stride", "0"], SETTING, ["stride", "0"]),
     Case("evaluate-unknown-metric", V + ["--metrics", "speed"], SETTING, ["unknown metric 'speed'"]),
     Case("evaluate-unknown-runtime", V + ["--runtime", "tflite"], SETTING, ["unknown runtime 'tflite'"]),
@@ -216,7 +270,7 @@ CASES = [
     Case("evaluate-ssh-host-starting-with-dash", V + MEM + ["--target", "{f}/targets/dash.toml"], SETTING,
          ["ssh host", "-oProxyCommand"]),
     Case("evaluate-negative-bandwidth-target", V + MEM + ["--target", "{f}/targets/neg.toml"], SETTING,
-         ["neg.toml", "'memory_bandwidth_gbs' must not be negative"]),
+         ["neg.toml", "memory_bandwidth_gbs must be in (0, 100,000]", "-5"]),
     # evaluate: inputs and outputs
     Case("evaluate-missing-task-file", V + ["--metrics", "tasks", "--tasks", "{w}/mine.jsonl"], INPUT, ["{w}/mine.jsonl"]),
     Case("evaluate-task-gold-string", V + ["--metrics", "tasks", "--tasks", "{f}/gold-string.jsonl"], INPUT,
@@ -241,7 +295,7 @@ CASES = [
          patch=no_network, seconds=5),
     Case("evaluate-interrupted", V + MEM, INTERRUPTED, [], patch=ctrl_c_in("slmedge.evaluate.api.Evaluation.check_inputs")),
     # run
-    Case("run-limit-0", R + ["--limit", "0"] + OUT, SETTING, ["--limit must be positive, got 0"], absent=["out", "out.gguf"]),
+    Case("run-limit-0", R + ["--limit", "0"] + OUT, SETTING, ["--limit", "at least 1, got 0"], absent=["out", "out.gguf"]),
     Case("run-ppl-windows-0", R + ["--ppl-windows", "0"] + OUT, SETTING, ["--ppl-windows", "0"]),
     Case("run-bits-9", R + ["--bits", "9"] + OUT, SETTING, ["bits", "9"]),
     Case("run-unknown-method", R + ["--method", "quantum"] + OUT, SETTING, ["unknown method 'quantum'"]),
@@ -267,7 +321,7 @@ CASES = [
          ["badkey.toml"]),
     # report
     Case("report-onto-an-existing-file", ["report", "{f}/store.sqlite", "-o", "{f}/existing.html"], INPUT,
-         ["{f}/existing.html"]),
+         ["{f}/existing.html", "not a report slmedge wrote"], unwords=["pass --overwrite"]),
     Case("report-unknown-format", ["report", "--format", "pdf", "-o", "{w}/r.pdf"], SETTING, ["--format", "pdf"]),
     Case("report-missing-store", ["report", "{w}/nothing.db", "-o", "{w}/r.html"], INPUT, ["{w}/nothing.db"]),
     Case("report-foreign-store", ["report", "{f}/foreign.db", "-o", "{w}/r.html"], INPUT,
@@ -278,7 +332,7 @@ CASES = [
     # targets
     Case("targets-show-unknown", ["targets", "show", "mars"], SETTING, ["unknown target 'mars'"]),
     Case("targets-show-negative-bandwidth", ["targets", "show", "neg"], SETTING,
-         ["neg.toml", "'memory_bandwidth_gbs' must not be negative"], patch=profiles),
+         ["neg.toml", "memory_bandwidth_gbs must be in (0, 100,000]", "-5"], patch=profiles),
     Case("targets-show-unknown-transport", ["targets", "show", "{f}/targets/teleport.toml"], SETTING,
          ["teleport.toml", "'teleport'"]),
     Case("targets-check-ssh-host-starting-with-dash", ["targets", "check", "{f}/targets/dash.toml"], SETTING,
@@ -300,6 +354,158 @@ CASES = [
     Case("methods-unknown-option", ["methods", "--json"], SETTING, ["--json"], usage=True),
     Case("methods-interrupted", ["methods"], INTERRUPTED, [], patch=ctrl_c_on_print("slmedge.cli.methods")),
 ]
+
+# --- issue 41: bounds from the option, the model and the machine, before any work ----------------------------
+G = ["{f}/tiny.gguf"]  # the tiny llama as GGUF: 512 positions in its header (context_length)
+ST = ["study", "--dry-run"]
+BOUNDS = [
+    # compress: every count bounded by what is meaningful, non-finite numbers refused
+    Case("compress-nsamples-1e9", C + ["--nsamples", "1000000000"] + OUT, SETTING,
+         ["--nsamples must be at most 65,536", "1,000,000,000"]),
+    Case("compress-awq-grid-1e9", C + ["--awq-grid", "1000000000"] + OUT, SETTING, ["--awq-grid must be at most 1,000"]),
+    Case("compress-batch-size-huge", C + ["--batch-size", "100000"] + OUT, SETTING, ["--batch-size must be at most"]),
+    Case("compress-block-size-huge", C + ["--method", "gptq", "--block-size", "100000"] + OUT, SETTING,
+         ["--block-size must be at most 65,536"]),
+    Case("compress-awq-max-tokens-huge", C + ["--awq-max-tokens", "2000000"] + OUT, SETTING,
+         ["--awq-max-tokens must be at most 1,048,576"]),
+    Case("compress-seqlen-huge", C + ["--seqlen", "2000000"] + OUT, SETTING, ["--seqlen must be at most 1,048,576"]),
+    Case("compress-group-size-huge", C + ["-g", "100000"] + OUT, SETTING, ["--group-size", "65,536", "got 100000"]),
+    Case("compress-seed-past-64-bits", C + ["--seed", "18446744073709551616"] + OUT, SETTING,
+         ["--seed must be at most"]),
+    Case("compress-damp-nan", C + ["--method", "gptq", "--damp", "nan"] + OUT, SETTING,
+         ["--damp must be in [0, 1)", "got nan"]),
+    Case("compress-damp-inf", C + ["--method", "gptq", "--damp", "inf"] + OUT, SETTING, ["--damp", "got inf"]),
+    Case("compress-sparsity-nan", C + ["--method", "wanda", "--sparsity", "nan"] + OUT, SETTING, ["sparsity", "nan"]),
+    Case("compress-sparsity-m-huge", C + ["--method", "magnitude", "--sparsity", "2:100000"] + OUT, SETTING,
+         ["2:100000", "at most 1,024"]),
+    # compress: lengths bounded by the model's positions, read from its header before it loads
+    Case("compress-gguf-seqlen-past-context-length", ["compress", *G, "--method", "gptq", "--seqlen", "1024"] + OUT,
+         SETTING, ["seqlen 1024", "512 positions", "context_length of tiny.gguf", "--seqlen 512"], patch=never_loads),
+    Case("compress-folder-seqlen-past-positions-before-loading", C + ["--method", "awq", "--seqlen", "600"] + OUT,
+         SETTING, ["seqlen 600", "512 positions", "max_position_embeddings"], patch=never_loads),
+    # compress: the calibration's memory against the memory available
+    Case("compress-calibration-needs-more-memory", C + ["--method", "gptq", "--nsamples", "4096", "--seqlen", "512"]
+         + OUT, SETTING, ["needs about", "99 MB available", "--nsamples"], patch=memory(99_000_000)),
+    # export
+    Case("export-threads-1e6", E + ["--threads", "1000000", "-o", "{w}/m.gguf"], SETTING,
+         ["--threads must be at most 1,024"]),
+    Case("export-threads-past-the-cores", E + ["--threads", "3", "-o", "{w}/m.gguf"], SETTING,
+         ["--threads 3", "2 cores", "--threads 2"], patch=cores(2)),
+    Case("export-onnx-block-size-huge", E + ["--format", "onnx", "--type", "int4", "--block-size", "131072", "-o",
+                                             "{w}/o"], SETTING, ["--block-size must be at most 65,536"]),
+    Case("export-onnx-block-size-not-a-power-of-two", E + ["--format", "onnx", "--type", "int4", "--block-size", "48",
+                                                           "-o", "{w}/o"], SETTING, ["--block-size", "power of two"]),
+    # evaluate: ranges
+    Case("evaluate-threads-1e6", V + MEM + ["--threads", "1000000"], SETTING, ["--threads must be at most 1,024"]),
+    Case("evaluate-threads-past-the-cores", V + MEM + ["--threads", "3"], SETTING, ["--threads 3", "2 cores"],
+         patch=cores(2)),
+    Case("evaluate-context-1e9", V + MEM + ["--context", "1000000000"], SETTING, ["--context must be at most 1,048,576"]),
+    Case("evaluate-beyond-positions-keeps-the-range", V + MEM + ["--beyond-positions", "--context", "2000000"], SETTING,
+         ["--context must be at most 1,048,576"]),
+    Case("evaluate-repeats-huge", V + ["--repeats", "100000"], SETTING, ["--repeats must be at most 1,000"]),
+    Case("evaluate-limit-huge", V + ["--limit", "2000000"], SETTING, ["--limit must be at most 1,000,000"]),
+    Case("evaluate-ppl-windows-huge", V + ["--ppl-windows", "1000000"], SETTING, ["--ppl-windows", "100,000"]),
+    Case("evaluate-stride-past-the-window", V + ["--metrics", "perplexity", "--seqlen", "64", "--stride", "65"], SETTING,
+         ["stride", "at most the window length (64)", "65"]),
+    Case("evaluate-pp-huge", V + ["--pp", "2000000"], SETTING, ["--pp must be at most 1,048,576"]),
+    # evaluate: lengths against the model's positions (no run recorded, the model never opened)
+    Case("evaluate-seqlen-past-positions", V + ["--metrics", "perplexity", "--seqlen", "1024"], SETTING,
+         ["--seqlen 1024", "512 positions", "max_position_embeddings", "--beyond-positions"], patch=never_loads),
+    Case("evaluate-pp-past-positions", V + ["--metrics", "latency", "--pp", "1024"], SETTING,
+         ["--pp + --tg 1152", "512 positions"], patch=never_loads),
+    Case("evaluate-default-pp-tg-past-positions", V + ["--metrics", "latency"], SETTING,
+         ["--pp + --tg 640", "512 positions"], patch=never_loads),
+    Case("evaluate-context-past-positions", V + MEM + ["--context", "1000000"], SETTING,
+         ["--context 1000000", "512 positions"], patch=never_loads),
+    Case("evaluate-gguf-seqlen-past-context-length", ["evaluate", *G, "--metrics", "perplexity", "--seqlen", "1024"],
+         SETTING, ["--seqlen 1024", "context_length of tiny.gguf"], patch=never_loads),
+    Case("evaluate-gguf-context-past-context-length", ["evaluate", *G] + MEM + ["--context", "4096"], SETTING,
+         ["--context 4096", "context_length of tiny.gguf"], patch=never_loads),
+    Case("evaluate-reference-shorter-than-the-window", ["evaluate", "{f}/long", "--metrics", "fidelity", "--reference",
+                                                        "{tiny}", "--seqlen", "1024"], SETTING,
+         ["--seqlen 1024", "512 positions", "{tiny}"], patch=never_loads),
+    # evaluate: memory (KV cache, logits) against the memory available
+    Case("evaluate-llamacpp-context-needs-more-memory", ["evaluate", *G] + MEM + ["--context", "512"], SETTING,
+         ["needs about", "0.10 MB available", "llama.cpp", "its context of 648 tokens", "--context"], patch=memory(100_000)),
+    Case("evaluate-torch-window-needs-more-memory", V + ["--metrics", "perplexity", "--seqlen", "512"], SETTING,
+         ["needs about", "available", "torch", "--seqlen"], patch=memory(1_000_000)),
+    Case("evaluate-beyond-positions-meets-the-memory", V + MEM + ["--beyond-positions", "--context", "1000000",
+                                                                 "--runtime", "llama.cpp"], SETTING,
+         ["needs about 0.5 GB", "100 MB available"], patch=memory(100_000_000)),
+    # evaluate: target profiles' fields (finite, positive, below a ceiling)
+    Case("evaluate-nan-bandwidth-target", V + MEM + ["--target", "{f}/targets/nanbw.toml"], SETTING,
+         ["nanbw.toml", "memory_bandwidth_gbs", "nan"]),
+    Case("evaluate-ssh-workdir-root", V + MEM + ["--target", "{f}/targets/wd-root.toml"], SETTING,
+         ["wd-root.toml", "workdir '/'"]),
+    # run
+    Case("run-nsamples-1e9", R + ["--nsamples", "1000000000"] + OUT, SETTING, ["--nsamples must be at most 65,536"],
+         absent=["out", "out.gguf"]),
+    Case("run-seqlen-past-positions", ["run", "{tiny}", "--nsamples", "2", "--seqlen", "1024"] + OUT, SETTING,
+         ["1024", "512 positions"], absent=["out", "out.gguf"], patch=never_loads),
+    Case("run-ppl-windows-huge", R + ["--ppl-windows", "1000000"] + OUT, SETTING, ["--ppl-windows", "100,000"]),
+    Case("run-needs-more-memory", R + OUT, SETTING, ["needs about", "available"], absent=["out", "out.gguf"],
+         patch=memory(1_000_000)),
+    # study: names that become paths, seeds, settings against each model, memory
+    Case("study-name-climbs-out", ST + ["{f}/studies/dotdot.toml"], SETTING, ["dotdot.toml", "'../../..'", "plain name"]),
+    Case("study-name-with-a-slash", ST + ["{f}/studies/slash.toml"], SETTING, ["slash.toml", "'a/b'", "plain name"]),
+    Case("study-label-is-a-path", ST + ["{f}/studies/label.toml"], SETTING, ["label.toml", "'../x'", "plain name"]),
+    Case("study-export-label-is-a-path", ST + ["{f}/studies/xlabel.toml"], SETTING, ["xlabel.toml", "'/etc'"]),
+    Case("study-negative-seed", ST + ["{f}/studies/seed.toml"], SETTING, ["seed.toml", "a seed", "got -1"]),
+    Case("study-nsamples-1e9", ST + ["{f}/studies/nsamples.toml"], SETTING, ["nsamples.toml", "nsamples", "65,536"]),
+    Case("study-damp-nan", ST + ["{f}/studies/damp.toml"], SETTING, ["damp.toml", "damp", "nan"]),
+    Case("study-calibration-past-positions", ST + ["{f}/studies/calseq.toml"], SETTING,
+         ["calseq.toml", "seqlen 1024", "512 positions"]),
+    Case("study-context-past-positions", ST + ["{f}/studies/context.toml"], SETTING,
+         ["context.toml", "[evaluate]", "context 4096", "512 positions", "beyond_positions"]),
+    Case("study-threads-1e6", ST + ["{f}/studies/threads.toml"], SETTING, ["threads.toml", "threads", "1,024"]),
+    Case("study-calibration-needs-more-memory", ST + ["{f}/studies/bigcal.toml"], SETTING,
+         ["bigcal.toml", "needs about", "available"], patch=memory(100_000_000)),
+    Case("study-workers-huge", ["study", "{f}/studies/ok.toml", "--workers", "100000", "--workdir", "{w}/wd"], SETTING,
+         ["--workers must be at most 1,024"]),
+    # report: numbers in lists
+    Case("report-under-mb-nan", ["report", "{f}/store.sqlite", "--under-mb", "nan", "-o", "{w}/r.html"], SETTING,
+         ["--under-mb", "nan"]),
+    Case("report-above-tps-inf", ["report", "{f}/store.sqlite", "--above-tps", "10,inf", "-o", "{w}/r.html"], SETTING,
+         ["--above-tps", "inf"]),
+    Case("report-under-mb-zero", ["report", "{f}/store.sqlite", "--under-mb", "0", "-o", "{w}/r.html"], SETTING,
+         ["--under-mb must be in (0,", "got 0"]),
+    # targets: every field of a profile, the ssh workdir, and the projection's context
+    Case("targets-show-bandwidth-nan", ["targets", "show", "{f}/targets/nanbw.toml"], SETTING,
+         ["nanbw.toml", "memory_bandwidth_gbs", "finite", "nan"]),
+    Case("targets-show-bandwidth-inf", ["targets", "show", "{f}/targets/infbw.toml"], SETTING,
+         ["infbw.toml", "memory_bandwidth_gbs", "inf"]),
+    Case("targets-show-bandwidth-1e308", ["targets", "show", "{f}/targets/hugebw.toml"], SETTING,
+         ["hugebw.toml", "memory_bandwidth_gbs", "100,000"]),
+    Case("targets-show-compute-zero", ["targets", "show", "{f}/targets/zeroflops.toml"], SETTING,
+         ["zeroflops.toml", "peak_fp32_gflops", "got 0"]),
+    Case("targets-show-int8-nan", ["targets", "show", "{f}/targets/nanint8.toml"], SETTING,
+         ["nanint8.toml", "peak_int8_gops", "nan"]),
+    Case("targets-show-ram-negative", ["targets", "show", "{f}/targets/negram.toml"], SETTING,
+         ["negram.toml", "ram_gb", "-1"]),
+    Case("targets-show-threads-past-cores", ["targets", "show", "{f}/targets/threads.toml"], SETTING,
+         ["threads.toml", "threads = 8", "cores = 4"]),
+    Case("targets-show-port-70000", ["targets", "show", "{f}/targets/port.toml"], SETTING,
+         ["port.toml", "port must be an integer from 1 to 65,535, got 70000"]),
+    Case("targets-show-connect-timeout-negative", ["targets", "show", "{f}/targets/ctimeout.toml"], SETTING,
+         ["ctimeout.toml", "connect_timeout_s", "-1"]),
+    Case("targets-show-command-timeout-nan", ["targets", "show", "{f}/targets/cmdtimeout.toml"], SETTING,
+         ["cmdtimeout.toml", "command_timeout_s", "nan"]),
+    Case("targets-show-gpu-layers-huge", ["targets", "show", "{f}/targets/gpulayers.toml"], SETTING,
+         ["gpulayers.toml", "gpu_layers", "100000"]),
+    Case("targets-check-ssh-workdir-root", ["targets", "check", "{f}/targets/wd-root.toml"], SETTING,
+         ["wd-root.toml", "workdir '/'"]),
+    Case("targets-show-ssh-workdir-another-home", ["targets", "show", "{f}/targets/wd-other.toml"], SETTING,
+         ["wd-other.toml", "'~root/.ssh'", "another user's home"]),
+    Case("targets-show-ssh-workdir-dot-ssh", ["targets", "show", "{f}/targets/wd-ssh.toml"], SETTING,
+         ["wd-ssh.toml", "'.ssh'", "dot-folder"]),
+    Case("targets-show-ssh-workdir-outside-home", ["targets", "show", "{f}/targets/wd-etc.toml"], SETTING,
+         ["wd-etc.toml", "'/etc/slmedge'", "outside the remote home and /tmp"]),
+    Case("targets-show-context-1e9", ["targets", "show", "cpu", "--context", "1000000000"], SETTING,
+         ["--context must be at most 1,048,576"]),
+    Case("targets-show-context-past-positions", ["targets", "show", "cpu", "--model", *G, "--context", "1024"], SETTING,
+         ["--context 1024", "context_length of tiny.gguf"]),
+]
+CASES += BOUNDS
 
 
 # --- fixtures -----------------------------------------------------------------------------------
@@ -336,10 +542,12 @@ def fixtures(tiny_models, tmp_path_factory, session_cache):
     weights = (d / "model.safetensors").read_bytes()
     (d / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     (f / "corrupt.gguf").write_bytes(b"GGUF" + b"\0" * 60)
-    export_gguf(tiny, f / "whole.gguf", "f32", verify=False)
-    whole = (f / "whole.gguf").read_bytes()
+    export_gguf(tiny, f / "tiny.gguf", "f32", verify=False)  # 512 positions in its header, as the tiny llama
+    whole = (f / "tiny.gguf").read_bytes()
     (f / "truncated.gguf").write_bytes(whole[: len(whole) // 3])
-    (f / "whole.gguf").unlink()
+    d = copy("long")  # the tiny llama with 4,096 positions
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
     (f / "plain").mkdir()
     (f / "plain" / "x.txt").write_text("x")
     (f / "emptydir").mkdir()
@@ -380,8 +588,35 @@ def fixtures(tiny_models, tmp_path_factory, session_cache):
     (t / "teleport.toml").write_text('transport = "teleport"\n')
     (t / "dash.toml").write_text('name = "dash"\ntransport = "ssh"\narch = "aarch64"\nruntimes = ["llama.cpp"]\n'
                                  '[ssh]\nhost = "-oProxyCommand=touch /tmp/slmedge-pwned"\nuser = "pi"\n')
+    for name, text in (("nanbw", "memory_bandwidth_gbs = nan"), ("infbw", "memory_bandwidth_gbs = inf"),
+                       ("hugebw", "memory_bandwidth_gbs = 1e308"), ("zeroflops", "peak_fp32_gflops = 0"),
+                       ("nanint8", "peak_int8_gops = nan"), ("negram", "ram_gb = -1"),
+                       ("threads", "cores = 4\nthreads = 8")):
+        (t / f"{name}.toml").write_text(f'transport = "local"\n{text}\n')
+    (t / "gpulayers.toml").write_text('transport = "cuda"\ngpu_layers = 100000\n')
+    ssh = 'transport = "ssh"\narch = "aarch64"\nruntimes = ["llama.cpp"]\n[ssh]\nhost = "pi.local"\nuser = "pi"\n'
+    for name, text in (("port", "port = 70000"), ("ctimeout", "connect_timeout_s = -1"),
+                       ("cmdtimeout", "command_timeout_s = nan"), ("wd-root", 'workdir = "/"'),
+                       ("wd-other", 'workdir = "~root/.ssh"'), ("wd-ssh", 'workdir = ".ssh"'),
+                       ("wd-etc", 'workdir = "/etc/slmedge"')):
+        (t / f"{name}.toml").write_text(f"{ssh}{text}\n")
     s = f / "studies"
     s.mkdir()
+    head = f'models = ["{tiny}"]\n'
+    for name, text in (
+            ("dotdot", 'name = "../../.."\n' + head + '[[methods]]\nmethod = "none"\n'),
+            ("slash", 'name = "a/b"\n' + head + '[[methods]]\nmethod = "none"\n'),
+            ("label", head + '[[methods]]\nmethod = "rtn"\nlabel = "../x"\n'),
+            ("xlabel", head + '[[methods]]\nmethod = "none"\n[[exports]]\nformat = "gguf"\nlabel = "/etc"\n'),
+            ("seed", head + 'seeds = [-1]\n[[methods]]\nmethod = "rtn"\n'),
+            ("nsamples", head + '[calibration]\nnsamples = 1000000000\n[[methods]]\nmethod = "gptq"\n'),
+            ("damp", head + '[[methods]]\nmethod = "gptq"\ndamp = nan\n'),
+            ("calseq", head + '[calibration]\nseqlen = 1024\n[[methods]]\nmethod = "gptq"\n'),
+            ("context", head + '[evaluate]\nmetrics = ["memory"]\ncontext = 4096\n[[methods]]\nmethod = "none"\n'),
+            ("threads", head + '[evaluate]\nthreads = 1000000\n[[methods]]\nmethod = "none"\n'),
+            ("bigcal", head + '[calibration]\nnsamples = 4096\nseqlen = 512\n[evaluate]\nmetrics = ["memory"]\n'
+                              '[[methods]]\nmethod = "gptq"\n')):
+        (s / f"{name}.toml").write_text(text)
     (s / "badkey.toml").write_text(f'name = "b"\nmodels = ["{tiny}"]\nbogus = 1\n[[methods]]\nmethod = "none"\n')
     (s / "badmethod.toml").write_text(f'name = "m"\nmodels = ["{tiny}"]\n[[methods]]\nmethod = "quantum"\n')
     (s / "syntax.toml").write_text('name = "s"\nmodels = [\n')
@@ -447,6 +682,8 @@ def test_bad_input(case: Case, fixtures, tiny_models, session_cache, tmp_path, m
         line = errors[0]
     for word in case.words:
         assert _fill(word, tiny, fixtures, work) in line, line
+    for word in case.unwords:
+        assert _fill(word, tiny, fixtures, work) not in line, line
     assert "overwrite=True" not in out  # the CLI's advice is spelled as its options
     if case.seconds is not None:
         assert seconds < case.seconds, f"took {seconds:.1f} s"
@@ -470,7 +707,7 @@ def test_the_table_covers_every_command():
     for case in CASES:
         counts[case.args[0]] = counts.get(case.args[0], 0) + 1
     assert set(counts) >= {"compress", "export", "inspect", "evaluate", "run", "study", "report", "targets", "data",
-                           "methods"}
+                           "methods", "imatrix"}
     assert len(CASES) >= 80, counts
 
 

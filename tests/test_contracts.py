@@ -243,7 +243,7 @@ def test_eval_settings_come_from_the_dataclass_and_the_study_sets_the_rest(tmp_p
     study = _load(tmp_path, _study_text('method = "none"', "fidelity_windows = 3\n"))
     assert study.evaluate["fidelity_windows"] == 3
     for line, words in (('target = "cpu"', "unknown key 'target'"), ('corpora = "my.txt"', "'corpora' must be a list of str"),
-                        ("stride = 0", "stride must be in")):
+                        ("stride = 0", "stride must be an integer of at least 1, got 0")):
         with pytest.raises(StudyError, match=words):
             _load(tmp_path, _study_text('method = "none"', line + "\n"))
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import missing_prerequisite, require_import
+from conftest import missing_prerequisite, require_import, single_scheme_transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 READER_SCRIPT = ROOT / "scripts" / "bench" / "ct_reader.py"
@@ -37,8 +37,8 @@ CASES = {
     "gptq-w4g32-asym": ("qwen3", "gptq", {"bits": 4, "symmetric": False}),
     "awq-w4g32-asym": ("llama", "awq", {"bits": 4, "symmetric": False}),
     "awq-w4g32-sym": ("qwen2", "awq", {"bits": 4, "symmetric": True}),
-    "rtn-w4g64-asym-channel+group": ("llama", "rtn", {"bits": 4, "group_size": 64, "symmetric": False}),
-    "rtn-w4g128-sym": ("mistral", "rtn", {"bits": 4, "group_size": 128, "symmetric": True}),
+    "rtn-w4g64-asym-one-group": ("llama", "rtn", {"bits": 4, "group_size": 64, "symmetric": False}),
+    "rtn-w4g128-sym-two-grids": ("mistral", "rtn", {"bits": 4, "group_size": 128, "symmetric": True}),
     "rtn-w8g64-asym": ("phi3", "rtn", {"bits": 8, "group_size": 64, "symmetric": False}),
     "rtn-w8-channel-sym": ("qwen2", "rtn", {"bits": 8, "group_size": -1, "symmetric": True}),
     "rtn-w2g32-asym": ("gemma2", "rtn", {"bits": 2, "symmetric": False}),
@@ -51,8 +51,10 @@ CASES = {
 RAGGED = "rtn-w4g48-asym-ragged"  # 64 and 128 input columns: groups of 48 leave 16 and 32
 IDS = [1, 5, 17, 99, 3, 250, 42, 8, 300, 7, 64, 11]
 # The readers run torch 2.13 (and transformers 5.17 or 5.20) against this environment's release: the
-# same weights, another build's fp32 kernels.
-LOGITS_TOL = {"rtol": 1e-5, "atol": 1e-5}
+# same weights (checked bit for bit first), another build's fp32 kernels. Measured: up to 1.4e-3 apart on
+# the 2-bit case's logits (|logit| ~2; torch 2.13.0+cpu against 2.14.1+cu130 on CPU), 1e-5 elsewhere; a
+# wrongly decoded group moves them by 1e-1 and more.
+LOGITS_TOL = {"rtol": 1e-3, "atol": 5e-3}
 
 
 def readers_dir() -> Path:
@@ -80,7 +82,10 @@ def exports(artifacts, tmp_path_factory):
     built = {}
     for name, (model_type, method, kw) in CASES.items():
         art = artifacts(model_type, method, **kw)
-        export_compressed_tensors(art, root / name)  # verified in this environment before it appears
+        # verified in this environment before it appears, where this transformers can read it (5.21+ reads
+        # one grid per checkpoint: the two-grid case is then checked by the readers alone)
+        verify = not (name.endswith("two-grids") and single_scheme_transformers())
+        export_compressed_tensors(art, root / name, verify=verify)
         built[name] = (art, root / name)
     art = artifacts("llama", "rtn", bits=4, group_size=48, symmetric=False)
     built[RAGGED] = (art, ragged_checkpoint(art, root / RAGGED))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from running import alive, cmdline, descendants, held_at, kill_and_check, slmedge, temp_names, wait_for
 
-from conftest import study_data_files
+from conftest import tiny_study_file
 
 CORPUS_ARGS = ["--langs", "", "--no-wikitext", "--seqlen", "32", "--ppl-windows", "1"]
 
@@ -121,34 +121,9 @@ def test_a_killed_study_takes_its_workers_and_the_resource_tracker_with_it(tiny_
     """kill -9 of the study's own process while a worker compresses: the worker (a spawned process
     holding a model) and multiprocessing's resource tracker are gone within 10 s; the study, run
     again, finishes and leaves no temporary file in its workdir."""
-    corpus, _ = study_data_files(tmp_path)
-    f = tmp_path / "s.toml"
-    f.write_text(f'''name = "killed"
-models = ["{tiny_models("llama")}"]
-seeds = [0]
-targets = ["cpu"]
-workdir = "work"
-
-[evaluate]
-metrics = ["perplexity"]
-langs = []
-wikitext = false
-corpora = ["{corpus}"]
-seqlen = 32
-ppl_windows = 1
-threads = 1
-
-[calibration]
-dataset = "c4"
-nsamples = 64
-seqlen = 128
-
-[[methods]]
-label = "gptq"
-method = "gptq"
-bits = 4
-group_size = 32
-''')
+    f = tiny_study_file(tmp_path, tiny_models("llama"), "killed",
+                        ['label = "gptq"\nmethod = "gptq"\nbits = 4\ngroup_size = 32'], exports=(),
+                        workdir="work", calibration=True)
     db = tmp_path / "s.sqlite"
     args = ["study", str(f), "--results-db", str(db)]
     proc = slmedge(args, tmp_path)
@@ -182,34 +157,9 @@ def test_a_killed_study_on_ray_takes_rays_processes_with_it(tiny_models, tmp_pat
     from conftest import require_import
 
     require_import("ray", "ray is not installed (pip install -e '.[ray]'; scripts/setup.sh installs it)")
-    corpus, _ = study_data_files(tmp_path)
-    f = tmp_path / "s.toml"
-    f.write_text(f'''name = "killed-ray"
-models = ["{tiny_models("llama")}"]
-seeds = [0]
-targets = ["cpu"]
-workdir = "work"
-
-[evaluate]
-metrics = ["perplexity"]
-langs = []
-wikitext = false
-corpora = ["{corpus}"]
-seqlen = 32
-ppl_windows = 1
-threads = 1
-
-[calibration]
-dataset = "c4"
-nsamples = 64
-seqlen = 128
-
-[[methods]]
-label = "gptq"
-method = "gptq"
-bits = 4
-group_size = 32
-''')
+    f = tiny_study_file(tmp_path, tiny_models("llama"), "killed-ray",
+                        ['label = "gptq"\nmethod = "gptq"\nbits = 4\ngroup_size = 32'], exports=(),
+                        workdir="work", calibration=True)
     import shutil
     import tempfile
 

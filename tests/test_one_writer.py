@@ -187,28 +187,9 @@ def test_two_compressions_into_one_folder_with_overwrite(tiny_models, calib_file
 
 
 def test_two_runs_of_one_study(tiny_models, tmp_path):
-    from conftest import study_data_files
+    from conftest import tiny_study_file
 
-    corpus, _ = study_data_files(tmp_path)
-    f = tmp_path / "s.toml"
-    f.write_text(f'''name = "twice"
-models = ["{tiny_models("llama")}"]
-seeds = [0]
-targets = ["cpu"]
-workdir = "work"
-
-[evaluate]
-metrics = ["perplexity"]
-langs = []
-wikitext = false
-corpora = ["{corpus}"]
-seqlen = 32
-ppl_windows = 1
-threads = 1
-
-[[methods]]
-method = "none"
-''')
+    f = tiny_study_file(tmp_path, tiny_models("llama"), "twice", ['method = "none"'], exports=(), workdir="work")
     args = ["study", str(f), "--results-db", str(tmp_path / "s.sqlite")]
     _two_writers(tmp_path, args, "slmedge.study.engine", "_run_locked", tmp_path / "work",
                  ("the study 'twice'", "a study runs once at a time"))

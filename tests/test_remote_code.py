@@ -90,6 +90,7 @@ def _commands(folder: Path, tmp_path: Path) -> dict[str, list[str]]:
         "export": ["export", str(folder), "--format", "gguf", "--type", "f32", "-o", str(tmp_path / "m.gguf")],
         "inspect": ["inspect", str(folder)],
         "study": ["study", str(_study(tmp_path, folder, name="carrier"))],
+        "imatrix": ["imatrix", str(folder), "-o", str(tmp_path / "m.imatrix.gguf")],
     }
 
 
@@ -102,7 +103,7 @@ def test_the_fields_that_name_code_are_found_at_any_depth():
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
-@pytest.mark.parametrize("command", ["compress", "evaluate", "export", "inspect", "study"])
+@pytest.mark.parametrize("command", ["compress", "evaluate", "export", "inspect", "study", "imatrix"])
 def test_a_folder_that_carries_code_is_refused_by_every_command(case, command, carriers, fake_kernels, tmp_path):
     folder, file, field = carriers[case]
     args = _commands(folder, tmp_path)[command]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import one_line_error, study_data_files
+from conftest import one_line_error, tiny_study_file
 
 from slmedge.cli import app
 from slmedge.errors import ArtifactError
@@ -208,25 +208,7 @@ def test_an_onnx_export_whose_seal_was_removed_is_refused(exports, tmp_path, cor
 
 
 def _study_file(tmp_path: Path, model: Path, name: str, methods: list[str], exports=('"none"',)) -> Path:
-    corpus, _ = study_data_files(tmp_path)
-    text = f'''name = "{name}"
-models = ["{model}"]
-seeds = [0]
-targets = ["cpu"]
-workdir = "work-{name}"
-
-[evaluate]
-metrics = ["perplexity"]
-langs = []
-wikitext = false
-corpora = ["{corpus}"]
-seqlen = 32
-ppl_windows = 1
-threads = 1
-''' + "".join(f"\n[[methods]]\n{m}\n" for m in methods) + "".join(f'\n[[exports]]\nformat = {e}\n' for e in exports)
-    f = tmp_path / f"{name}.toml"
-    f.write_text(text)
-    return f
+    return tiny_study_file(tmp_path, model, name, methods, exports)
 
 
 def test_the_study_refuses_an_unsealed_artifact_it_is_given(artifacts, tmp_path):

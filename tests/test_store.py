@@ -49,31 +49,11 @@ def _foreign_sqlite(path: Path) -> Path:
 
 
 def _study_file(tmp_path: Path, model: Path) -> Path:
+    from conftest import tiny_study_file
+
     corpus = tmp_path / "c.txt"
     corpus.write_text(TEXT, encoding="utf-8")
-    f = tmp_path / "s.toml"
-    f.write_text(f'''name = "s"
-models = ["{model}"]
-seeds = [0]
-targets = ["cpu"]
-workdir = "work-s"
-
-[evaluate]
-metrics = ["perplexity"]
-langs = []
-wikitext = false
-corpora = ["{corpus}"]
-seqlen = 32
-ppl_windows = 1
-threads = 1
-
-[[methods]]
-method = "none"
-
-[[exports]]
-format = "none"
-''')
-    return f
+    return tiny_study_file(tmp_path, model, "s", ['method = "none"'], corpus=corpus)
 
 
 def _eval_args(model, db, *corpora, seqlen=32):

@@ -65,7 +65,7 @@ def test_study_files_are_validated_with_the_line(tmp_path, tiny_models):
         (text.replace('format = "gguf"', 'format = "gguf"\ntype = "q9_9"'), ["unknown GGUF type 'q9_9'"], 'type = "q9_9"'),
         (text.replace('targets = ["cpu"]', 'targets = ["arm64"]').replace('\n[[exports]]\nformat = "gguf"\n', ''),
          ["runs exported files only"], "targets ="),
-        (text.replace("seqlen = 32", "seqlen = 1"), ["window length"], "[evaluate]"),
+        (text.replace("seqlen = 32", "seqlen = 1"), ["seqlen must be an integer of at least 2, got 1"], "[evaluate]"),
         (text.replace('seeds = [0]', 'seeds = ["zero"]'), ["'seeds' must be a list of integers"], "seeds ="),
     ]
     for i, (bad, words, needle) in enumerate(cases):
@@ -221,6 +221,36 @@ def test_discarded_artifacts_are_rebuilt_only_when_a_job_needs_them(tmp_path, ti
     store.close()
 
 
+def test_a_corrupt_artifact_is_rebuilt_by_the_next_run(tmp_path, tiny_models):
+    """A study's artifact damaged on disk (a tensor file's bytes changed, its checksum no longer
+    holds) is made again by the next run that needs it, instead of failing every job that reads it
+    with advice to rerun (issue 41); a manifest whose seal was removed is refused instead
+    (tests/test_seals.py)."""
+    methods = ['label = "rtn-w4"\nmethod = "rtn"\nbits = 4\ngroup_size = 32']
+    f = _study(tmp_path, tiny_models("llama"), name="dent", methods=methods, exports=('"gguf"',))
+    db = tmp_path / "dent.sqlite"
+    res = runner.invoke(app, ["study", str(f), "--results-db", str(db)])
+    assert res.exit_code == 0, res.output
+    (art,) = [p for p in (tmp_path / "work-dent" / "artifacts").iterdir() if p.is_dir()]
+    damaged = max((p for p in art.iterdir() if p.suffix == ".safetensors"), key=lambda p: p.stat().st_size)
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF  # one bit of the last tensor
+    damaged.write_bytes(bytes(data))
+    for gguf_file in (tmp_path / "work-dent" / "exports").rglob("*.gguf"):
+        gguf_file.unlink()
+    # Another measurement of the export joins the grid: the export is needed again, and it reads the artifact.
+    f.write_text(f.read_text().replace("ppl_windows = 2", "ppl_windows = 3"))
+    res = runner.invoke(app, ["study", str(f), "--results-db", str(db)])
+    assert res.exit_code == 0, res.output
+    assert "2 of them rebuilt" in res.output, res.output  # the artifact, and the export deleted above
+    from slmedge.compress.artifact import Artifact
+
+    Artifact.open(art, verify=True)  # whole again
+    with sqlite3.connect(db) as con:
+        details = [d for (d,) in con.execute("SELECT detail FROM study_events WHERE event = 'rebuilding'")]
+    assert len(details) == 2 and any(str(art) in d and "changed since it was written" in d for d in details), details
+
+
 class _InlinePool:
     """The local engine's interface, running each job in this process (so a test can patch it)."""
 
@@ -283,6 +313,10 @@ def test_report_has_the_tables_and_plots(local_store, tmp_path):
     res = runner.invoke(app, ["report", str(store.path), "--study", "tiny", "--format", "md", "-o", str(md)])
     assert res.exit_code == 0 and "| evaluation |" in md.read_text()
     assert len(list((tmp_path / "r_files").glob("*.png"))) >= 3
+    # Missing folders above -o are created, as compress and export create theirs (issue 41)
+    deep = tmp_path / "missing" / "dir" / "r.html"
+    res = runner.invoke(app, ["report", str(store.path), "--study", "tiny", "-o", str(deep)])
+    assert res.exit_code == 0 and "Caveats" in deep.read_text(), res.output
     res = runner.invoke(app, ["report", str(store.path), "--study", "nope", "-o", str(out)])
     one_line_error(res, "no finished evaluations of study 'nope'")
     browser = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -68,8 +68,8 @@ type = "auto"
     ('same_as = "laptop"', "names laptop itself"),
     ('same_as = "arm64"', "the study's targets are cpu, laptop"),
     ('probe_tokens = 64', "'probe_tokens' goes with same_as"),
-    ('same_as = "cpu"\nprobe_tokens = 8', "probe_tokens must be 16..4096"),
-    ('same_as = "cpu"\nprobe_tolerance = -1', "probe_tolerance must be a finite number >= 0"),
+    ('same_as = "cpu"\nprobe_tokens = 8', "probe_tokens must be an integer from 16 to 4,096, got 8"),
+    ('same_as = "cpu"\nprobe_tolerance = -1', "probe_tolerance must be in [0, 100], got -1"),
     ('same_as = "cpu"\nprobe_tolerance = "small"', "'probe_tolerance' must be a float"),
     ('same_as = "cpu"\nmetrics = ["perplexity", "latency"]', "latency is the device's own"),
 ])

@@ -277,10 +277,11 @@ def test_ssh_errors_are_clear(sshd, exports, tmp_path, monkeypatch, task_file):
     res = runner.invoke(app, ["evaluate", gguf, "--target", "dead", "--metrics", "memory"])
     one_line_error(res, "unreachable")
     assert time.time() - t < 30
-    # a model larger than the target's RAM: refused with the numbers, before anything is copied
+    # a model larger than the target's RAM: refused with the numbers, before anything is copied (the
+    # estimate of what the run allocates against the target's memory, slmedge.limits.check_memory)
     work = _ssh_profile(tmp_path / "p", sshd, name="tiny-ram", ram_gb=0.0001)
     res = runner.invoke(app, ["evaluate", gguf, "--target", "tiny-ram", "--metrics", "memory"])
-    one_line_error(res, "GiB", "tiny-ram", "nothing was copied")
+    one_line_error(res, "tiny-ram", "needs about", "0.10 MB available")
     assert not any(work.rglob("*.gguf"))
 
 

@@ -14,11 +14,12 @@ try:
     from typer.core import TyperGroup
 
     from .artifact import artifact_app
-    from .common import INTERRUPTED, print_interrupted, quiet_libraries, state
+    from ..quiet import quiet_libraries, set_debug
+    from .common import INTERRUPTED, print_interrupted, state
     from .compress import compress_command
     from .data import data_app
     from .evaluate import evaluate_command, lm_eval_command
-    from .export import export_command, inspect_command
+    from .export import export_command, imatrix_command, inspect_command
     from .methods import methods_command
     from .run import run_command
     from .study import report_command, study_command
@@ -56,12 +57,15 @@ app = typer.Typer(
 @app.callback()
 def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors.")):
     state.debug = debug
-    if not debug:
-        quiet_libraries()
+    if debug:
+        set_debug()  # the libraries' own notices and warnings stay on, in child processes too
+    else:
+        quiet_libraries()  # kept out of slmedge's output (slmedge/quiet.py)
 
 
 app.command("compress")(compress_command)
 app.command("export")(export_command)
+app.command("imatrix")(imatrix_command)
 app.command("evaluate")(evaluate_command)
 app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                                         "help_option_names": []})(lm_eval_command)

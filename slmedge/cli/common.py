@@ -9,7 +9,8 @@ errors); 130 interrupted.
 from __future__ import annotations
 
 import contextlib
-import errno
+import functools
+import inspect
 import os
 import sys
 import uuid
@@ -17,8 +18,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import typer
-from rich.markup import escape
+from rich import table as rich_table
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import OutputError, OutputExistsError, SlmedgeError, brief
@@ -28,25 +30,34 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+class Table(rich_table.Table):
+    """Every table slmedge prints: a cell too long for its column wraps, and a word longer than the
+    column (a path, a URL) is folded onto the next line, never cut to "…". Tables are laid out for
+    an 80-column terminal; what does not fit there is left to ``--wide`` or ``show`` commands."""
+
+    def __init__(self, *headers, **kwargs):
+        super().__init__(*headers, **kwargs)
+        self._fold()
+
+    def add_column(self, *args, overflow="fold", **kwargs):
+        super().add_column(*args, overflow=overflow, **kwargs)
+
+    def add_row(self, *cells, **kwargs):
+        super().add_row(*cells, **kwargs)
+        self._fold()  # the columns add_row makes for a table without headers
+
+    def _fold(self) -> None:
+        for column in self.columns:
+            if column.overflow == "ellipsis":  # rich's default
+                column.overflow = "fold"
+
+
 class State:
     debug = False
     supervise = False  # run evaluate/export in a supervised child (the command line; not under CliRunner)
 
 
 state = State()
-
-
-def quiet_libraries() -> None:
-    """Keep the libraries' own progress bars and advice (transformers' "Loading weights" bars, its
-    tokenizer notices) out of slmedge's output; ``--debug`` leaves them on. Set before transformers is
-    imported (it reads the environment then), and on it when an earlier command imported it already."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if "transformers" in sys.modules:
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()
-        transformers_logging.set_verbosity_error()
 
 
 INTERRUPTED = 130
@@ -82,9 +93,11 @@ def errors_to_exit() -> Iterator[None]:
     except OSError as exc:
         if state.debug:
             raise
-        reason = "no space left on the device" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
+        if disk_full(exc):  # a write no writer of slmedge's wraps: the path where the library names one
+            print_error(f"no space left on {exc.filename or 'the device'}")
+            raise typer.Exit(1) from None
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-        print_error(reason + where)
+        print_error((exc.strerror or str(exc)) + where)
         raise typer.Exit(1) from None
     except Exception as exc:  # a bug: say so in one line, and how to see more
         if state.debug:
@@ -130,6 +143,55 @@ def supervised(command: str) -> None:
 # --- checks before any work ------------------------------------------------------------------------
 
 
+def _flag(default, param: str) -> str:
+    """How the user spells a parameter: its longest option name (``--nsamples``), else its name."""
+    decls = [d for d in getattr(default, "param_decls", None) or () if d.startswith("--")]
+    return max(decls, key=len).split("/")[0] if decls else param.upper()
+
+
+def bounded(**keys: str):
+    """Declare the range of each numeric option of a command (parameter name -> key of
+    ``slmedge.limits.LIMITS``) and check them first, before the command's body runs: one ``error:``
+    line naming the option, exit 2. tests/test_limits.py holds every numeric option to a key here.
+    An option holding a comma-separated list of numbers is checked number by number."""
+    from .. import limits
+
+    unknown = [k for k in keys.values() if k not in limits.LIMITS]
+    if unknown:
+        raise KeyError(f"no range declared for {unknown[0]} in slmedge/limits.py")
+
+    def wrap(fn):
+        params = inspect.signature(fn).parameters
+        flags = {name: _flag(params[name].default, name) for name in keys}
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            with errors_to_exit():
+                for name, key in keys.items():
+                    value = kwargs.get(name)
+                    for v in (number_list(value, flags[name]) if isinstance(value, str) else [value]):
+                        limits.check(key, v, flags[name], none=True)
+            return fn(*args, **kwargs)
+
+        command.limits = dict(keys)
+        return command
+
+    return wrap
+
+
+def number_list(text: str, option: str) -> list[float]:
+    """The numbers of a comma-separated option value ("10,50.5"); ConfigError when one is not a number."""
+    from ..errors import ConfigError
+
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise ConfigError(f"{option} takes numbers separated by commas, not '{text}'")
+    return values
+
+
 def check_writable_place(path: Path, option: str) -> None:
     """Refuse ``path`` when it could not be created: the nearest folder that exists above it must
     accept a new file (tried with a hidden file, removed at once). Nothing is created."""
@@ -143,7 +205,7 @@ def check_writable_place(path: Path, option: str) -> None:
     try:
         fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except OSError as exc:
-        reason = "no space left on the device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc)).lower()
+        reason = "no space left on the device" if disk_full(exc) else (exc.strerror or str(exc)).lower()
         raise OutputError(f"cannot write {shown}: {above} does not take new files ({reason})") from None
     os.close(fd)
     probe.unlink(missing_ok=True)
@@ -176,11 +238,12 @@ def check_output_file(path: Path, *, option: str = "-o", overwrite: bool | None 
         eg = f" (such as {path / example})" if example else ""
         raise OutputExistsError(f"{option} {path} is a folder, and {what} is one file: {option} must be a file path{eg}")
     if path.exists() and overwrite is not None:
-        if not overwrite:
-            raise OutputExistsError(f"{option} {path} exists; pass --overwrite to replace it")
+        # --overwrite is advised only where it would then work: never over what slmedge did not write.
         if ours is not None and not ours(path):
             raise OutputExistsError(f"{option} {path} is not {ours_noun} slmedge wrote; --overwrite only replaces "
                                     "slmedge's own outputs: choose another output")
+        if not overwrite:
+            raise OutputExistsError(f"{option} {path} exists; pass --overwrite to replace it")
     check_writable_place(path, option)
     return path
 

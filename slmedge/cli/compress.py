@@ -7,13 +7,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
 from ..compress.api import compress
 from ..compress.methods import METHODS
 from ..compress.recipe import DEFAULT_SKIP, Recipe
 from ..models.grids import GRIDS
-from .common import check_model, check_output_dir, console, errors_to_exit, progress_bar
+from .common import Table, bounded, check_model, check_output_dir, console, errors_to_exit, progress_bar
 from .data import DATA_DIR_HELP
 
 
@@ -32,16 +31,19 @@ def recipe_from_options(method, bits, group_size, symmetric, sparsity, calibrati
 
 
 def check_compress(model, recipe: Recipe, output, *, overwrite: bool, revision=None, data_dir=None,
-                   text_field: str = "text", option: str = "-o", trust_remote_code: bool = False) -> Path:
+                   text_field: str = "text", option: str = "-o", device: str | None = None,
+                   trust_remote_code: bool = False) -> Path:
     """Everything a compression can be refused for before the model is loaded, in this order: the
-    recipe, the model source (resolved: a missing one creates no output folder), the calibration
-    text (read, not tokenized; Hub datasets are fetched later), the output folder. Returns it."""
-    from ..compress.api import default_output
+    recipe, the model source (resolved: a missing one creates no output folder), what the model and
+    the machine bound the settings by (its positions, the memory available), the calibration text
+    (read, not tokenized; Hub datasets are fetched later), the output folder. Returns it."""
+    from ..compress.api import check_compress_bounds, default_output
     from ..compress.artifact import MANIFEST
     from ..data.calibration import read_texts
 
     recipe = recipe.validate()
     check_model(model, revision, trust_remote_code)
+    check_compress_bounds(model, recipe, revision, device)
     if METHODS[recipe.method].cls(recipe).needs_calibration and not recipe.calibration.startswith("hf:"):
         read_texts(recipe.calibration, data_dir, text_field)
     out = Path(output) if output is not None else default_output(model or "smollm2-135m", recipe)
@@ -82,6 +84,9 @@ GRID_HELP = ("Quantize onto one of llama.cpp's grids instead of the uniform one 
              "take llama.cpp's own fallback type.")
 
 
+@bounded(bits="bits", group_size="group_size", nsamples="nsamples", seqlen="seqlen", seed="seed",
+         batch_size="batch_size", damp="damp", block_size="block_size", awq_grid="awq_grid",
+         awq_max_tokens="awq_max_tokens")
 def compress_command(
     model: Optional[str] = typer.Argument(None, help="HF id, local HF folder, .gguf file, or an embedded name (smollm2-135m, gemma3-270m). Default: smollm2-135m."),
     method: str = typer.Option("awq", "--method", "-m", help=METHOD_HELP),
@@ -134,7 +139,7 @@ def compress_command(
                                      batch_size, skip, include_head, damp, block_size, act_order, true_sequential,
                                      awq_grid, awq_clip, awq_max_tokens, awq_search_dtype, grid, bpw, importance)
         output = check_compress(model, recipe, output, overwrite=overwrite, revision=revision, data_dir=data_dir,
-                                text_field=text_field, trust_remote_code=trust_remote_code)
+                                text_field=text_field, device=device, trust_remote_code=trust_remote_code)
         with progress_bar() as progress:
             outcome = compress(model, recipe, output, data_dir=data_dir, device=device, overwrite=overwrite,
                                trust_remote_code=trust_remote_code, revision=revision, text_field=text_field,

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Column, Table
+from rich.table import Column
 
-from .common import console, errors_to_exit
+from .common import Table, console, errors_to_exit
 
 DATA_DIR_HELP = ("A folder of the shipped layout (calibration/, perplexity/, tasks/) laid over the shipped data: "
                  "the files it has win, the rest come from slmedge (see `slmedge data`).")

@@ -7,10 +7,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
-from .common import (check_model, check_output_file, check_writable_place, console, errors_to_exit, progress_bar,
-                     supervised)
+from .common import (Table, bounded, check_model, check_output_file, check_writable_place, console, errors_to_exit,
+                     progress_bar, supervised)
 from ..fsutil import output_lock
 from .data import DATA_DIR_HELP
 
@@ -96,6 +95,8 @@ def print_results(res: dict) -> None:
         console.print(f"note: {note}")
 
 
+@bounded(seqlen="eval_seqlen", stride="stride", ppl_windows="ppl_windows_or_all", limit="limit", pp="pp", tg="tg",
+         repeats="repeats", context="context", threads="threads")
 def evaluate_command(
     source: Optional[str] = typer.Argument(None, help="Artifact, model source, .gguf file or ONNX export (default: smollm2-135m)."),
     metrics: Optional[str] = typer.Option(None, "--metrics", help="Comma list of perplexity,fidelity,tasks,memory,latency (default: all)."),
@@ -113,7 +114,12 @@ def evaluate_command(
     pp: int = typer.Option(512, "--pp", help="Latency: prompt tokens."),
     tg: int = typer.Option(128, "--tg", help="Latency: generated tokens."),
     repeats: int = typer.Option(3, "--repeats", help="Latency: timed runs after one warm-up."),
-    context: int = typer.Option(2048, "--context", help="Context length for the KV-cache size and llama.cpp's n_ctx."),
+    context: Optional[int] = typer.Option(None, "--context", help="Context length for the KV-cache size, the tasks' "
+                                          "longest input and llama.cpp's n_ctx (default: 2048, or the model's "
+                                          "positions where it has fewer)."),
+    beyond_positions: bool = typer.Option(False, "--beyond-positions", help="Let --seqlen, --context and --pp + --tg "
+                                          "go past the positions the model was trained for (its config's "
+                                          "max_position_embeddings, a GGUF's context_length); refused otherwise."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Threads (default: all cores)."),
     target: str = typer.Option("cpu", "--target", help="Target profile (slmedge targets list): cpu, arm64 (emulated), cuda, an ssh device, or a .toml file."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every number to this JSON file."),
@@ -139,7 +145,7 @@ def evaluate_command(
             corpora=tuple(corpus or ()), seqlen=seqlen, stride=stride, ppl_windows=ppl_windows or None,
             tasks=_split(tasks), limit=limit, reference=reference, reference_runtime=reference_runtime, pp=pp, tg=tg,
             repeats=repeats, context=context, threads=threads, runtime=runtime, target=target,
-            data_dir=str(data_dir) if data_dir else None)
+            data_dir=str(data_dir) if data_dir else None, beyond_positions=beyond_positions)
         check_evaluation(source, settings, json_out)
         # One evaluation writes a --json file at a time: a second one naming the same file is refused now,
         # naming the first (fsutil.output_lock), not left to replace its results at the end.
@@ -184,6 +190,7 @@ def check_evaluation(source, settings, json_out=None) -> None:
     """Everything an evaluation can be refused for before a model is opened: the settings (ranges,
     names of metrics, languages, tasks, runtimes, the target), the source and reference, the JSON
     output's location."""
+    from ..evaluate.bounds import check_evaluation_bounds
     from ..runtimes.registry import check_runtime_name
     from ..targets.profiles import get_profile
 
@@ -191,10 +198,13 @@ def check_evaluation(source, settings, json_out=None) -> None:
     for name in (settings.runtime, settings.reference_runtime):
         if name:
             check_runtime_name(name)
-    get_profile(settings.target, detect=False)
+    profile = get_profile(settings.target, detect=False)
     check_source(source)
     if settings.reference and "fidelity" in settings.metrics:
         check_source(settings.reference)
+    # the lengths against the model's positions, the threads against the target's cores, the memory
+    # the settings need against what the target has: read from the model's config, not its weights
+    check_evaluation_bounds(source, settings, profile, cli=True)
     _read_inputs(settings)
     if json_out is not None:
         check_output_file(Path(json_out), option="--json", overwrite=None, inputs=[source] if source else [],

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
-from .common import (check_model, check_output_dir, check_output_file, console, err_console, errors_to_exit,
-                     supervised)
+from .common import (Table, bounded, check_model, check_output_dir, check_output_file, console, err_console,
+                     errors_to_exit, progress_bar, supervised)
+from .data import DATA_DIR_HELP
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -47,11 +47,12 @@ def _print_export(report: dict, fmt) -> None:
     console.print(table)
 
 
+@bounded(threads="threads", block_size="export_block_size", accuracy_level="accuracy_level")
 def export_command(
     source: Optional[str] = typer.Argument(None, help="An slmedge artifact, HF folder, .gguf file, Hub id or embedded name (default smollm2-135m)."),
     fmt: str = typer.Option("gguf", "--format", "-f", help="gguf (llama.cpp), onnx (onnxruntime), onnxruntime-genai (an ONNX folder with genai_config.json) "
                              "or compressed-tensors (transformers, vLLM: an artifact's codes, pack-quantized)."),
-    qtype: str = typer.Option("auto", "--type", "-t", help="GGUF: auto, f32, f16, q8_0, q4_0, q4_1 (codes kept), q5_0, q5_1, q2_k, q3_k_m, q4_k_s, q4_k_m, q5_k_m, q6_k (llama.cpp's quantizer). ONNX: auto, fp32, fp16, int4, int8, int8-dynamic. auto: the type that keeps the artifact's codes."),
+    qtype: str = typer.Option("auto", "--type", "-t", help="GGUF: auto, f32, f16, q8_0, q4_0, q4_1 (codes kept), q5_0, q5_1, q2_k, q3_k_m, iq4_nl, iq4_xs, q4_k_s, q4_k_m, q5_k_m, q6_k (llama.cpp's quantizer). ONNX: auto, fp32, fp16, int4, int8, int8-dynamic. auto: the type that keeps the artifact's codes."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="GGUF file or ONNX directory (default slmedge-out/<source>-<type>)."),
     exact: bool = typer.Option(False, "--exact", help="Fail instead of re-quantizing weights whose codes the type cannot hold."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Run the file in its runtime on a probe and compare with torch."),
@@ -61,6 +62,7 @@ def export_command(
     accuracy_level: int = typer.Option(4, "--accuracy-level", help="ONNX MatMulNBits accuracy_level: 4 (default) multiplies with int8-quantized activations, as llama.cpp does, several times faster on CPU; 0 computes in fp32 (exact, slow for the 8-bit head)."),
     keep_fp32_head: bool = typer.Option(False, "--keep-fp32-head", help="ONNX int4/int8: leave lm_head and the embedding in fp32 (default: 8-bit head, fp16 embedding)."),
     keep_f16_uncoded: bool = typer.Option(False, "--keep-f16-uncoded", help="GGUF with codes: keep tensors the recipe left alone (embedding, head) at f16 instead of llama.cpp's choice for the type."),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="GGUF: an importance matrix in llama.cpp's format (slmedge imatrix or llama-imatrix) that weights llama.cpp's quantizer, as llama-quantize --imatrix does."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision."),
     as_json: bool = typer.Option(False, "--json", help="Print the full report (per-tensor types) as JSON."),
 ):
@@ -71,21 +73,23 @@ def export_command(
       slmedge export out/gptq --format gguf --type q4_0 -o model.gguf     # GPTQ codes as Q4_0 blocks
       slmedge export out/awq --format onnx --type int4 -o onnx_dir/      # AWQ codes as MatMulNBits
       slmedge export smollm2-135m --format gguf --type q4_k_m -o base-q4km.gguf
+      slmedge export smollm2-135m --format gguf --type iq4_xs --imatrix smollm2.imatrix.gguf -o iq4xs.gguf
       slmedge export out/gptq --format gguf --type q4_1 --exact -o m.gguf
       slmedge export out/gptq --format compressed-tensors -o ct_dir/       # for transformers / vLLM
-    slmedge export out/awq --format onnxruntime-genai -o genai_dir/    # for onnxruntime-genai apps
+      slmedge export out/awq --format onnxruntime-genai -o genai_dir/    # for onnxruntime-genai apps
     """
     from ..export.api import export
     from ..export.formats import get_format
 
     supervised("export")  # a crash in llama.cpp or onnxruntime: one line naming it and the file
     with errors_to_exit():
-        _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level, revision, block_size)
+        _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level, revision, block_size, imatrix)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             report = export(source, fmt, qtype, output, exact=exact, verify=verify, overwrite=overwrite,
                             n_threads=threads, block_size=block_size, accuracy_level=accuracy_level,
-                            keep_fp32_head=keep_fp32_head, keep_f16_uncoded=keep_f16_uncoded, revision=revision)
+                            keep_fp32_head=keep_fp32_head, keep_f16_uncoded=keep_f16_uncoded, revision=revision,
+                            imatrix=imatrix)
         for w in caught:
             if issubclass(w.category, UserWarning) and "slmedge" in str(getattr(w, "filename", "")):
                 err_console.print(f"[yellow]warning:[/] {w.message}", highlight=False, soft_wrap=True)
@@ -95,14 +99,15 @@ def export_command(
             _print_export(report, get_format(fmt))
 
 
-def _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level, revision, block_size=32) -> None:
+def _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level, revision, block_size=32,
+                  imatrix=None) -> None:
     """Everything an export can be refused for without reading the model: the format and its type,
     the ranges, the source (resolved: a missing one writes nothing), the output location."""
     from ..errors import OutputExistsError
     from ..export.api import check_export_options, default_output
 
     target = check_export_options(fmt, qtype, accuracy_level=accuracy_level, n_threads=threads,
-                                  block_size=block_size)
+                                  block_size=block_size, imatrix=imatrix)
     src = check_model(source, revision)
     if output is not None:
         out = Path(output)
@@ -118,12 +123,17 @@ def _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level
                           what=target.what, example=target.output_name("model"),
                           ours_noun=f"a {target.label} file")
     else:
-        check_output_dir(out, option=option, overwrite=overwrite, inputs=inputs, what=target.what)
-        if overwrite and out.is_dir() and any(out.iterdir()) and not _ours(target, out):
-            entries = sorted(p.name for p in out.iterdir())
-            shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-            raise OutputExistsError(f"{option} {out} holds what slmedge did not write there ({shown}; no export "
-                                    "manifest); --overwrite only replaces slmedge's own outputs: choose another output")
+        check_output_dir(out, option=option, overwrite=True, inputs=inputs, what=target.what)
+        if out.is_dir() and any(out.iterdir()):
+            # What slmedge did not write there first: --overwrite is advised only where it would then work.
+            if not _ours(target, out):
+                entries = sorted(p.name for p in out.iterdir())
+                shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+                raise OutputExistsError(f"{option} {out} holds what slmedge did not write there ({shown}; no export "
+                                        "manifest); --overwrite only replaces slmedge's own outputs: choose another "
+                                        "output")
+            if not overwrite:
+                raise OutputExistsError(f"{option} {out} is not empty; pass --overwrite to replace it")
 
 
 def _ours(target, path: Path) -> bool:
@@ -189,3 +199,58 @@ def inspect_command(
             for name, e in (m.get("tensors") or m.get("layers") or {}).items():
                 t.add_row(name, str(e.get("type")), "yes" if e.get("codes_kept") else "no", str(e.get("grid") or ""))
             console.print(t)
+
+
+@bounded(nsamples="nsamples", seqlen="seqlen", seed="seed", batch_size="batch_size")
+def imatrix_command(
+    model: Optional[str] = typer.Argument(None, help="HF id, local HF folder, .gguf file, or an embedded name (default smollm2-135m)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="The importance matrix, a .gguf file (default slmedge-out/<model>.imatrix.gguf)."),
+    calibration: str = typer.Option("c4", "--calibration", "-c", help="c4, multilingual[:LANGS], a .txt/.jsonl file, or hf:DATASET[:CONFIG][:SPLIT]."),
+    nsamples: int = typer.Option(128, "--nsamples", help="Calibration samples (llama-imatrix's chunks)."),
+    seqlen: int = typer.Option(512, "--seqlen", help="Tokens per calibration sample (llama-imatrix's -c)."),
+    seed: int = typer.Option(0, "--seed", help="Seed for sampling calibration windows: the same as slmedge compress's with the same settings."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Calibration samples per block forward (bounds activation memory)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an importance matrix slmedge wrote."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", envvar="SLMEDGE_DATA_DIR", help=DATA_DIR_HELP),
+    text_field: str = typer.Option("text", "--text-field", help="JSONL / dataset field holding the text."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run code shipped with a Hub model (off unless you ask)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+):
+    """Write an importance matrix in llama.cpp's format from slmedge's calibration (for llama-quantize --imatrix).
+
+    Each linear's sum of squared inputs per column over the calibration windows (computed in fp32,
+    block by block), as llama-imatrix computes it; slmedge export --imatrix and llama-quantize
+    --imatrix read it.
+
+    \b
+    Examples:
+      slmedge imatrix                                     # SmolLM2-135M on C4, 128 x 512 tokens
+      slmedge imatrix MODEL --calibration multilingual --nsamples 64 -o model.imatrix.gguf
+      llama-quantize --imatrix model.imatrix.gguf model-f16.gguf model-iq4_xs.gguf IQ4_XS
+    """
+    from ..export.imatrix import check_output, default_output, imatrix_recipe, make_imatrix
+
+    with errors_to_exit():
+        imatrix_recipe(calibration, nsamples, seqlen, seed, batch_size)
+        check_model(model, revision, trust_remote_code)
+        check_output(Path(output) if output is not None else default_output(model), overwrite)
+        with progress_bar() as progress:
+            report = make_imatrix(model, output, calibration=calibration, nsamples=nsamples, seqlen=seqlen, seed=seed,
+                                  batch_size=batch_size, data_dir=data_dir, device=device, overwrite=overwrite,
+                                  trust_remote_code=trust_remote_code, revision=revision, text_field=text_field,
+                                  progress=progress)
+        if as_json:
+            console.print_json(json.dumps(report, default=str))
+            return
+        table = Table(title="slmedge imatrix", show_header=False)
+        base = report["base_model"]
+        calib = report["calibration"]
+        table.add_row("model", str(base.get("name") or base.get("id") or base.get("path")))
+        table.add_row("calibration", f"{calib['spec']}: {calib['nsamples']} x {calib['seqlen']} tokens, seed {calib['seed']}")
+        table.add_row("entries", f"{report['entries']} weight tensors")
+        table.add_row("size", _fmt_bytes(report["bytes"]))
+        table.add_row("time", f"{report['seconds']:.1f} s")
+        table.add_row("importance matrix", report["path"])
+        console.print(table)

@@ -1,9 +1,8 @@
 """slmedge methods: list the compression methods."""
 
-from rich.table import Table
 
 from ..compress.methods import METHODS
-from .common import console
+from .common import Table, console
 
 
 def methods_command():

@@ -13,20 +13,21 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
 from ..compress.api import compress, default_output
 from ..compress.artifact import Artifact
 from ..compress.recipe import Recipe
 from ..errors import ArtifactError
 from ..models.artifact_format import is_artifact, manifest_path
-from .common import check_output_file, console, errors_to_exit, progress_bar, supervised
+from .common import Table, bounded, check_output_file, console, errors_to_exit, progress_bar, supervised
 from .data import DATA_DIR_HELP
 from .evaluate import flips_text
 
 MAIN_TASKS = ("arc_easy", "piqa", "winogrande", "hellaswag", "xcopa_th", "xcopa_zh")
 
 
+@bounded(bits="bits", group_size="group_size", nsamples="nsamples", seqlen="seqlen", windows="ppl_windows",
+         limit="limit")
 def run_command(
     model: Optional[str] = typer.Argument(None, help="Model source (default: the embedded smollm2-135m)."),
     method: str = typer.Option("awq", "--method", "-m", help="Compression method."),
@@ -107,7 +108,7 @@ def run_command(
         finally:
             if store is not None:
                 store.close()
-        _print_side_by_side(rows, recipe)
+        _print_side_by_side(rows, recipe, Path(spec).name)
         console.print(f"artifact: {out}\nGGUF: {gguf_path}\nresults store: {store.path}")
 
 
@@ -131,9 +132,9 @@ def _fresh(gguf_path: Path, artifact: Path) -> bool:
     return manifest.get("source_manifest_sha256") == sha256_file(manifest_path(artifact))
 
 
-def _print_side_by_side(rows, recipe) -> None:
+def _print_side_by_side(rows, recipe, model: str) -> None:
     (bl, base), (cl, comp) = rows
-    t = Table("metric", bl, cl, title=f"SmolLM2-135M: base vs {recipe.describe()} as GGUF, this machine")
+    t = Table("metric", bl, cl, title=f"{model}: base vs {recipe.describe()} as GGUF, this machine")
     bp, cp = base["metrics"]["perplexity"], comp["metrics"]["perplexity"]
     for name in bp:
         t.add_row(f"perplexity {name}", f"{bp[name]['perplexity']:.2f}", f"{cp[name]['perplexity']:.2f}")

@@ -6,12 +6,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
-from .common import console, errors_to_exit
+from .common import Table, bounded, check_writable_place, console, errors_to_exit, number_list
 from .data import DATA_DIR_HELP
 
 
+@bounded(workers="workers")
 def study_command(
     study_file: Path = typer.Argument(..., help="The study's TOML file (see scripts/studies/)."),
     engine: str = typer.Option("local", "--engine", help="local (a process pool on this machine) or ray."),
@@ -90,6 +90,7 @@ def study_command(
                                                           for k, n, t in spent), markup=False, highlight=False)
 
 
+@bounded(under_mb="under_mb", above_tps="above_tps")
 def report_command(
     store_path: Optional[Path] = typer.Argument(None, help="Results store (default: $SLMEDGE_RESULTS_DB or the user data dir); "
                                                 "read only, never created or changed."),
@@ -120,7 +121,9 @@ def report_command(
     with errors_to_exit():
         if fmt not in ("html", "md"):
             raise ConfigError(f"--format is html or md, not {fmt}")
-        budgets, speeds = _positive_list(under_mb, "--under-mb"), _positive_list(above_tps, "--above-tps")
+        budgets = number_list(under_mb, "--under-mb") if under_mb is not None else None  # ranges: @bounded
+        speeds = number_list(above_tps, "--above-tps") if above_tps is not None else None
+        check_writable_place(output, "-o")  # missing folders above it are created when it is written
         store = ResultsStore(store_path, readonly=True)
         try:
             info = write_report(store, output, fmt, study, overwrite=overwrite, budgets_mb=budgets, min_tps=speeds)
@@ -128,18 +131,3 @@ def report_command(
             store.close()
         left = f" ({info['left_out']} that failed or did not finish left out)" if info.get("left_out") else ""
         console.print(f"report: {info['rows']} evaluations{left} -> {info['path']}")
-
-
-def _positive_list(text: str | None, option: str) -> list[float] | None:
-    """A comma-separated list of positive numbers (an option's value), or None when not given."""
-    from ..errors import ConfigError
-
-    if text is None:
-        return None
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or any(not (v > 0) or v == float("inf") for v in values):
-        raise ConfigError(f"{option} takes positive numbers separated by commas, not '{text}'")
-    return values

@@ -6,9 +6,10 @@ import json
 from typing import Optional
 
 import typer
-from rich.table import Column, Table
+from rich.console import Console
+from rich.table import Column
 
-from .common import console, errors_to_exit
+from .common import Table, bounded, console, errors_to_exit
 
 targets_app = typer.Typer(help="Target profiles: list, show, check, setup.", no_args_is_help=True,
                           rich_markup_mode=None)
@@ -19,33 +20,51 @@ def _num(v, unit="") -> str:
 
 
 @targets_app.command("list")
-def list_command():
+def list_command(wide: bool = typer.Option(False, "--wide", help="Also the runtimes and the description of each "
+                                           "profile (wider than 80 columns).")):
     """List the target profiles (targets/*.toml, ~/.config/slmedge/targets, $SLMEDGE_TARGETS).
 
+    Figures marked "auto" are this machine's, detected and measured the first time they are
+    needed (`slmedge targets show cpu`).
+
     \b
-    Example:
+    Examples:
       slmedge targets list
+      slmedge targets list --wide
     """
     from ..targets.profiles import all_profiles
 
     with errors_to_exit():
         profiles = all_profiles()
-    t = Table("transport", "arch", "cores", "RAM GiB", "GB/s", "fp32 GFLOP/s", "runtimes")
-    t.columns.insert(0, Column("name", no_wrap=True, min_width=max(len(n) for n in profiles) if profiles else 4))
+    # Fits 80 columns: the figures a roofline uses; the rest under --wide or `targets show`.
+    t = Table(Column("name", no_wrap=True), "transport", "arch", Column("cores", justify="right"),
+              Column("RAM GiB", justify="right"), Column("GB/s", justify="right"),
+              Column("GFLOP/s fp32", justify="right"))
+    if wide:
+        t.add_column("runtimes", overflow="fold")
+        t.add_column("description", overflow="fold")
     for p in profiles.values():
-        t.add_row(p.name, p.transport, p.arch, _num(p.cores) if not p.detect else "detect",
-                  _num(p.ram_gb) if not p.detect else "detect",
-                  _num(p.memory_bandwidth_gbs) if not p.detect else "measured",
-                  _num(p.peak_fp32_gflops) if not p.detect else "measured", ", ".join(p.runtimes))
-    console.print(t)
-    console.print("details: slmedge targets show NAME; your own: a .toml file in ~/.config/slmedge/targets")
+        auto = "auto" if p.detect else None
+        row = [p.name, p.transport, p.arch, auto or _num(p.cores), auto or _num(p.ram_gb),
+               auto or _num(p.memory_bandwidth_gbs), auto or _num(p.peak_fp32_gflops)]
+        if wide:
+            row += [", ".join(p.runtimes), p.description]
+        t.add_row(*row)
+    # --wide: the table at its own width (a wide terminal shows it whole; a narrow one wraps lines).
+    natural = console.measure(t, options=console.options.update(max_width=1000)).maximum
+    (Console(width=max(console.width, natural)) if wide else console).print(t)
+    console.print("details: slmedge targets show NAME (--wide: runtimes and descriptions); your own: a .toml file "
+                  "in ~/.config/slmedge/targets")
 
 
 @targets_app.command("show")
+@bounded(context="context")
 def show_command(name: str = typer.Argument(..., help="Target name or .toml file."),
                  model: Optional[str] = typer.Option(None, "--model", help="A .gguf/.onnx file: project its "
                                                      "decode and prefill rooflines on this target."),
-                 context: int = typer.Option(640, "--context", help="Tokens in the KV cache for the projection."),
+                 context: Optional[int] = typer.Option(None, "--context", help="Tokens in the KV cache for the "
+                                                       "projection (default: 640, or the model's positions where "
+                                                       "it has fewer)."),
                  as_json: bool = typer.Option(False, "--json", help="Print JSON."),
                  remeasure: bool = typer.Option(False, "--remeasure", help="cpu/cuda: measure bandwidth and "
                                                 "compute again (run it with the machine otherwise idle).")):
@@ -72,7 +91,7 @@ def show_command(name: str = typer.Argument(..., help="Target name or .toml file
     if as_json:
         print(json.dumps(data, indent=2, default=str))
         return
-    t = Table("field", "value", title=f"target {prof.name}")
+    t = Table("field", Column("value", overflow="fold"), title=f"target {prof.name}")
     for k, v in data.items():
         if k != "projection" and v not in (None, "", [], {}):
             t.add_row(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
@@ -87,7 +106,11 @@ def show_command(name: str = typer.Argument(..., help="Target name or .toml file
         console.print(t)
 
 
-def _projection(prof, model: str, context: int) -> dict:
+# The projection's default context: llama-bench's 512 prompt tokens and 128 generated ones.
+DEFAULT_PROJECTION_CONTEXT = 640
+
+
+def _projection(prof, model: str, context: int | None) -> dict:
     from pathlib import Path
 
     from ..errors import ConfigError, ModelNotFoundError
@@ -104,6 +127,15 @@ def _projection(prof, model: str, context: int) -> dict:
     if fmt is None or get_format(fmt).model_facts is None:
         takes = " or ".join(f.suffix for f in FORMATS.values() if f.model_facts is not None and f.suffix)
         raise ConfigError(f"--model takes a model file ({takes}); {model} is not one")
+    from ..limits import check_length
+    from ..models.shape import path_shape
+
+    shape = path_shape(path)  # the context against the model's positions, before its facts are read
+    positions = shape.positions if shape is not None else None
+    if context is None:  # the default never asks more than the model has
+        context = min(DEFAULT_PROJECTION_CONTEXT, positions) if positions else DEFAULT_PROJECTION_CONTEXT
+    elif shape is not None:
+        check_length("--context", context, positions, shape.positions_from)
     facts = get_format(fmt).model_facts(path)
     params, integer = facts.get("params"), bool(facts.get("quantized"))
     # The KV cache in the element size of the runtime that runs this format (llama.cpp: f16).
@@ -130,7 +162,8 @@ def check_command(name: str = typer.Argument(..., help="Target name or .toml fil
     with errors_to_exit():
         prof = get_profile(name)
         checks = transport_for(prof).checks()
-    t = Table("check", "ok", "detail", "fix", title=f"target {prof.name} ({prof.transport})")
+    t = Table("check", "ok", Column("detail", overflow="fold"), Column("fix", overflow="fold"),
+              title=f"target {prof.name} ({prof.transport})")
     for c in checks:
         t.add_row(c.what, "yes" if c.ok else "NO", c.detail, c.hint)
     console.print(t)

@@ -114,6 +114,55 @@ def check_compatible(loaded: LoadedModel, recipe: Recipe) -> None:
                               f"(max_position_embeddings): use --seqlen {positions} or less")
 
 
+def calibration_memory(shape, recipe: Recipe) -> int | None:
+    """Bytes a calibrated compression allocates for its settings (None: a data-free method, or a
+    shape without the widths). Counted: every sample's block input and output in fp32 (the engine
+    holds both for a whole block), one batch's forward through a block (its MLP's activations and
+    the attention scores), the method's statistics for one block's inputs (GPTQ/SparseGPT: a
+    Hessian and its factor per input width; Wanda: norms) and AWQ's search activations. Not the
+    weights (the source in its own dtype, one block in fp32: about the model's size)."""
+    method = get_method(recipe.method).cls(recipe)
+    if not method.needs_calibration or not (shape and shape.hidden and shape.intermediate and shape.heads):
+        return None
+    hidden, inter, heads = shape.hidden, shape.intermediate, shape.heads
+    tokens = recipe.nsamples * recipe.seqlen
+    batch = min(recipe.batch_size, recipe.nsamples)
+    acts = 2 * tokens * hidden * 4 + tokens * 8  # inputs and outputs of a block, and the token ids
+    forward = batch * recipe.seqlen * (4 * hidden + 3 * inter) * 4 + batch * heads * recipe.seqlen ** 2 * 4
+    attn_width = heads * (shape.head_dim or hidden // heads)
+    stats = 0
+    if method.stats_class is not None:  # q/k/v share one input, gate/up another; o_proj's and down_proj's
+        stats = sum(method.stats_class.bytes_for(c) for c in (hidden, hidden, attn_width, inter))
+    if method.block_level:  # the search's kept tokens: each mapping's input and its linears' outputs
+        stats += min(recipe.awq_max_tokens, tokens) * (2 * hidden + 2 * inter) * 4
+    return acts + forward + stats
+
+
+def check_compress_bounds(model, recipe: Recipe, revision=None, device=None, option: str = "--seqlen") -> None:
+    """What the model and the machine bound a compression by, before the model loads: the
+    calibration windows against its positions (its config, its GGUF header), the memory the
+    calibration allocates against what is available (``slmedge.limits``). ``option``: how a
+    message spells the window length."""
+    from ..fsutil import memory_available
+    from ..limits import check_length, check_memory
+    from ..models.shape import model_shape
+
+    recipe = recipe.validate()
+    if not get_method(recipe.method).cls(recipe).needs_calibration:
+        return
+    shape = model_shape(model, revision)
+    if shape is None:  # a Hub id not in the local cache: ``check_compatible`` checks it once loaded
+        return
+    check_length("seqlen", recipe.seqlen, shape.positions, shape.positions_from, option=option)
+    dev = resolve_device(device) if device is not None else torch.device("cpu")
+    available = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else memory_available()
+    check_memory(calibration_memory(shape, recipe), available,
+                 f"calibrating {shape.where} on {recipe.nsamples} x {recipe.seqlen} tokens",
+                 "every sample's activations at a block's input and output, one batch's forward and the "
+                 "method's statistics; not the weights",
+                 "lower --nsamples, --seqlen or --batch-size")
+
+
 def summarize(model, result: CompressionResult, recipe: Recipe) -> dict:
     total = sum(p.numel() for p in model.parameters())
     counts = result.counts.values()
@@ -158,11 +207,13 @@ def compress(
     recipe = (recipe or Recipe()).validate()
     dev = resolve_device(device)
     if not write:
+        check_compress_bounds(model, recipe, revision, dev)  # the positions and the memory, before the model loads
         return _compress(model, recipe, None, data_dir, dev, overwrite, trust_remote_code, revision, text_field,
                          progress, write)
     output = Path(output) if output is not None else default_output(model or "smollm2-135m", recipe)
     resolve(model, revision, trust_remote_code)  # a missing model is said first, and creates nothing
     check_output_dir(output, overwrite, MANIFEST, inputs=[model])
+    check_compress_bounds(model, recipe, revision, dev)  # the positions and the memory, before the model loads
     # One writer per output, from before the model loads until the artifact is in place: a second
     # compression into the same folder is refused now, naming this one (fsutil.output_lock).
     with output_lock(output):

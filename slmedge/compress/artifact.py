@@ -242,7 +242,8 @@ def write_artifact(dest, model, tokenizer, layers, extras, manifest: dict, overw
         raise ValueError(f"linears on llama.cpp's grids need artifact format version {GRID_VERSION}")
     if version == 1 and compact is not None:
         raise ValueError("a version-1 artifact is written from the whole model, not from compact tensors")
-    with atomic_directory(dest, overwrite=overwrite, manifest=MANIFEST) as tmp:
+    needed = _planned_bytes(version, model, compact, source_dir)  # what a full disk's message says it needed
+    with atomic_directory(dest, overwrite=overwrite, manifest=MANIFEST, needed=needed) as tmp:
         if version == 1:
             tensors, meta = quant_tensors(layers, extras)
             model.save_pretrained(tmp, safe_serialization=True)
@@ -273,6 +274,19 @@ def write_artifact(dest, model, tokenizer, layers, extras, manifest: dict, overw
         manifest.setdefault("timings", {})["write_s"] = round(time.perf_counter() - started, 3)
         write_json_atomic(tmp / MANIFEST, sealed(manifest))
     return Path(dest)
+
+
+def _planned_bytes(version: int, model, compact, source_dir) -> int:
+    """About the bytes an artifact's files take: its tensors (the dense fp32 weights where they are
+    written from the whole model) and the tokenizer and config files of its source."""
+    if version == 1 or compact is None:
+        tensors = sum(p.numel() * 4 for p in model.parameters())
+    else:
+        tensors = sum(t.numel() * t.element_size() for d in (compact.weights, compact.quant) for t in d.values())
+    extra = 0
+    if source_dir is not None and Path(source_dir).is_dir():
+        extra = sum(p.stat().st_size for p in Path(source_dir).iterdir() if p.is_file() and p.suffix != ".safetensors")
+    return tensors + extra
 
 
 @dataclass

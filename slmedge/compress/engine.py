@@ -546,7 +546,7 @@ def _bound_heap() -> None:
     per-block trims). An earlier 4 MiB mmap threshold gave every activation a fresh mapping and made
     this path about 20% slower; the price of reuse is some resident memory on small models (at 1-4B a
     batch's activations exceed 32 MiB and get their own mappings anyway). Measured in
-    docs/benchmarks.md ("timing what `slmedge compress` does").
+    docs/development/notebook.md ("timing what `slmedge compress` does").
     """
     libc = _libc()
     if libc:

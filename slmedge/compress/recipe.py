@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from .. import limits
 from ..errors import ConfigError
+from ..limits import LIMITS
 from ..models.grids import GRIDS
 from .methods import METHODS, get_method
 from .quant import QuantSpec
@@ -118,8 +120,7 @@ class Recipe:
         self._normalize()
         info = get_method(self.method)
         if self.bits is not None:
-            if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
-                raise ConfigError(f"bits must be an integer from 2 to 8, got {self.bits}")
+            limits.check("bits", self.bits)
             self.quant_spec()
         self._validate_grid(info)
         spars = self.sparsity
@@ -134,15 +135,12 @@ class Recipe:
                 raise ConfigError(f"{self.method} prunes: give --sparsity (a ratio such as 0.5, or N:M such as 2:4)")
         # The group size is checked whether or not this recipe quantizes (a pruning recipe records
         # it too); against the model's layer widths in ``api.check_compatible``.
-        g = self.group_size
-        if isinstance(g, bool) or not isinstance(g, int) or (g != -1 and g < 1):
-            raise ConfigError(f"group size must be a positive integer or -1 (per channel), got {g!r}")
-        for name, value, lo in (("nsamples", self.nsamples, 1), ("seqlen", self.seqlen, 8), ("batch_size", self.batch_size, 1),
-                                ("block_size", self.block_size, 1), ("awq_grid", self.awq_grid, 1), ("awq_max_tokens", self.awq_max_tokens, 16)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ConfigError(f"{name} must be an integer of at least {lo}, got {value!r}")
-        if isinstance(self.damp, bool) or not isinstance(self.damp, (int, float)) or not 0 <= self.damp < 1:
-            raise ConfigError(f"damp must be in [0, 1), got {self.damp}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or \
+                not LIMITS["group_size"].contains(self.group_size):
+            raise ConfigError(f"group size must be {LIMITS['group_size'].describe()}, got {self.group_size!r}")
+        # Every count and length in its declared range (slmedge/limits.py says why each ends where it does).
+        for name in ("nsamples", "seqlen", "batch_size", "block_size", "awq_grid", "awq_max_tokens", "damp"):
+            limits.check(name, getattr(self, name))
         for name in ("symmetric", "act_order", "awq_clip", "true_sequential"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "true_sequential" and value is None):
@@ -155,7 +153,7 @@ class Recipe:
             raise ConfigError(f"calibration must be a name, a file or hf:DATASET, got {self.calibration!r}")
         # Negative seeds are refused: random.Random(-n) draws the same windows as Random(n), so
         # -1 and 1 would share their calibration; torch's generator takes at most 64 bits.
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not LIMITS["seed"].contains(self.seed):
             raise ConfigError(f"seed must be a non-negative integer (below 2**64), got {self.seed!r}")
         return self
 

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..limits import check
 
 _NM = re.compile(r"(\d+)\s*:\s*(\d+)")
 
@@ -28,6 +29,7 @@ class Sparsity:
                 raise ConfigError(f"N:M sparsity needs two integers N and M, got n={n!r}, m={m!r}")
             if m < 2 or n < 1 or n >= m:
                 raise ConfigError(f"N:M sparsity needs 1 <= N < M (N zeros in every M weights), got {n}:{m}")
+            check("sparsity_m", m, f"M of the N:M sparsity {n}:{m}")
             object.__setattr__(self, "ratio", n / m)
             return
         r = self.ratio

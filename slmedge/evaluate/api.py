@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ..errors import ConfigError, DataError, UnknownDataError
+from .. import limits
+from ..errors import ConfigError, DataError, DiskFullError, SlmedgeError, UnknownDataError
 from ..fsutil import SEAL_KEY, check_seal, sealed, sha256_file, write_json_atomic
 from ..data.files import data_files
 from ..registry import Registry
@@ -33,6 +34,8 @@ def register_metric(name: str):
 def unregister_metric(name: str) -> None:
     METRICS.remove(name)
 DEFAULT_LANGS = ("en", "ar", "hi", "zh", "th", "de", "es")  # the seed study's seven
+# llama-bench's and most evaluation harnesses' context; a model with fewer positions gets its own.
+DEFAULT_CONTEXT = 2048
 
 
 @dataclass
@@ -52,28 +55,36 @@ class EvalSettings:
     pp: int = 512
     tg: int = 128
     repeats: int = 3
-    context: int = 2048
+    # The context (tokens): the KV cache the memory metric reports, the tasks' longest input,
+    # llama.cpp's n_ctx. None: DEFAULT_CONTEXT, or the model's positions where it has fewer
+    # (``resolved``, once the model's shape is known).
+    context: int | None = None
     threads: int | None = None
     runtime: str | None = None
     target: str = "cpu"
     data_dir: str | None = None
     memory_child: bool = True
+    # Let the lengths (seqlen, context, pp + tg) go past the positions the model was trained for:
+    # rotary models extrapolate, and how badly they do is a legitimate measurement. Off: refused.
+    beyond_positions: bool = False
 
     def validate(self) -> "EvalSettings":
         unknown = [m for m in self.metrics if m not in METRICS]
         if unknown:
             raise ConfigError(f"unknown metric '{unknown[0]}'; choose from {', '.join(METRICS)}")
-        if self.seqlen < 2:
-            raise ConfigError(f"the window length must be at least 2 tokens, got {self.seqlen}")
-        if self.stride is not None and not 0 < self.stride <= self.seqlen:
-            raise ConfigError(f"stride must be in 1..{self.seqlen} (the window length), got {self.stride}")
-        if self.limit is not None and self.limit < 1:
-            raise ConfigError(f"--limit must be positive, got {self.limit}")
-        for name, value, least in (("--threads", self.threads, 1), ("--context", self.context, 2),
-                                   ("--ppl-windows", self.ppl_windows, 1), ("--pp", self.pp, 1), ("--tg", self.tg, 1),
-                                   ("--repeats", self.repeats, 1), ("--fidelity-windows", self.fidelity_windows, 1)):
-            if value is not None and value < least:
-                raise ConfigError(f"{name} must be at least {least}, got {value}")
+        # Every count and length in its declared range (slmedge/limits.py says why each ends where it
+        # does); the lengths against the model's positions once it is known (``bounds``).
+        for key, name, value, optional in (
+                ("eval_seqlen", "seqlen", self.seqlen, False), ("stride", "stride", self.stride, True),
+                ("ppl_windows", "ppl_windows", self.ppl_windows, True), ("limit", "limit", self.limit, True),
+                ("fidelity_windows", "fidelity_windows", self.fidelity_windows, False), ("pp", "pp", self.pp, False),
+                ("tg", "tg", self.tg, False), ("repeats", "repeats", self.repeats, False),
+                ("context", "context", self.context, True), ("threads", "threads", self.threads, True)):
+            limits.check(key, value, name, none=optional)
+        if self.stride is not None and self.stride > self.seqlen:
+            raise ConfigError(f"stride must be at most the window length ({self.seqlen}), got {self.stride}")
+        if not isinstance(self.beyond_positions, bool):
+            raise ConfigError(f"beyond_positions must be true or false, got {self.beyond_positions!r}")
         data_files(self.data_dir)  # a --data-dir that is not a data folder fails here, before any work
         if "perplexity" in self.metrics or "tasks" in self.metrics:
             known = set(ntrex_languages(self.data_dir)) if self.langs else set()
@@ -90,6 +101,17 @@ class EvalSettings:
                     raise ConfigError(f"tasks {seen[task_label(t)]} and {t} would both be shown as "
                                       f"'{task_label(t)}': rename one of the files")
         return self
+
+    def resolved(self, positions: int | None) -> "EvalSettings":
+        """These settings with the default context fixed for a model of ``positions`` (None: not known)."""
+        if self.context is not None:
+            return self
+        return replace(self, context=min(DEFAULT_CONTEXT, positions) if positions else DEFAULT_CONTEXT)
+
+    @property
+    def n_ctx(self) -> int:
+        """The context a runtime opens a file with: room for the context, a window and the latency run."""
+        return max(self.context or DEFAULT_CONTEXT, self.seqlen, self.pp + self.tg + 8)
 
     def task_list(self) -> list[str]:
         from .tasks import ENGLISH_TASKS, XCOPA_LANGS
@@ -139,17 +161,24 @@ class Evaluation:
                  progress=None, subject=None):
         from ..compress.artifact import library_versions
         from ..targets.profiles import get_profile, profile_dict
+        from .bounds import check_evaluation_bounds
         from .subject import open_on_target
 
-        self.settings = settings.validate()
+        settings.validate()
         self.progress = progress
         self.json_path = Path(json_path) if json_path else None
+        self._copy_error: BaseException | None = None
         self.profile = get_profile(settings.target)
-        n_ctx = max(settings.context, settings.seqlen, settings.pp + settings.tg + 8)
+        # lengths, threads and memory against the model and the target, before the model opens
+        shape = check_evaluation_bounds(spec, settings, self.profile)
+        self.settings = settings = settings.resolved(shape.positions) if shape is not None else settings
         if subject is not None:
             self.sub = subject
         else:
-            self.sub = open_on_target(spec, settings.runtime, settings.threads, n_ctx, self.profile)
+            self.sub = open_on_target(spec, settings.runtime, settings.threads, settings.n_ctx, self.profile)
+        if shape is None:  # known only now that the model is open (a Hub id that was not cached)
+            self._check_opened()
+            settings = self.settings
         self.store = store
         rt = self.sub.runtime
         self.emulated = rt.emulated
@@ -165,6 +194,7 @@ class Evaluation:
             # what the runtime says of itself: e.g. where onnxruntime-genai's scores come from (logits_from)
             "runtime_info": _runtime_info(rt),
         }
+        self.results["notes"].extend(self.sub.notes)
         if self.sub.streamed:
             self.results["notes"].append(
                 "torch ran the model streamed, one decoder block in fp32 in memory at a time (SLMEDGE_TORCH_STREAM: "
@@ -181,6 +211,20 @@ class Evaluation:
         # corpus or task file leaves no run behind.
         self._run_args = ((self.sub.label, self.sub.identity.get("sha256"), rt.name, rt.threads, self.profile.name,
                            versions, asdict(settings)), {"emulated": self.emulated})
+
+    def _check_opened(self) -> None:
+        """The bounds of ``bounds`` against the opened model's config (before any run is recorded)."""
+        from ..models.shape import config_shape
+        from .bounds import check_lengths, check_memory_fits
+
+        try:
+            shape = config_shape(_model_config(self.sub), self.sub.label)
+            self.settings = self.settings.resolved(shape.positions)
+            check_lengths(self.settings, shape)
+            check_memory_fits(shape, self.settings, self.sub.runtime.name, self.profile)
+        except BaseException:
+            self.sub.close()
+            raise
 
     # --- bookkeeping --------------------------------------------------------------------------
 
@@ -200,6 +244,11 @@ class Evaluation:
 
             for task in s.task_list():
                 load_task(task, s.data_dir, s.limit)
+        if "latency" in s.metrics:  # the prompt is WikiText-2's first tokens: enough of them for --pp
+            self._prompt = self.sub.encoder.encode(load_corpus("wikitext2", s.data_dir)[:20000])
+            if len(self._prompt) < s.pp:
+                raise ConfigError(f"WikiText-2 gave {len(self._prompt)} tokens in this tokenizer, fewer than the "
+                                  f"{s.pp}-token prompt: use --pp {len(self._prompt)} or less")
         self._inputs_checked = True
 
     def _record_run(self, settings: dict | None = None) -> None:
@@ -226,8 +275,14 @@ class Evaluation:
             self.store.add(self.run_id, metric, value, subset, stderr, unit, extra)
 
     def _save(self):
-        if self.json_path is not None:
+        """Write the JSON copy of the results so far. A copy that cannot be written (a full disk) is
+        not the evaluation's failure: it is kept for the end (``run``), and not tried again until then."""
+        if self.json_path is None or self._copy_error is not None:
+            return
+        try:
             write_json_atomic(self.json_path, self.results)
+        except (OSError, SlmedgeError) as exc:
+            self._copy_error = exc
 
     # --- metrics ------------------------------------------------------------------------------
 
@@ -245,10 +300,20 @@ class Evaluation:
             self._end_run(reason)
             raise
         else:
-            self._end_run(None)
+            self._end_run(None)  # every metric finished: the run is done, whatever befalls its JSON copy
         finally:
             self.results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            self._save()
+            if self.json_path is not None:  # one more try at the end (space may have been freed meanwhile)
+                self._copy_error = None
+                self._save()
+        if self._copy_error is not None:
+            exc = self._copy_error
+            if isinstance(exc, DiskFullError) and self.run_id is not None and self.store is not None:
+                # the copy is lost, not the results: say where they are
+                where = f"the evaluation finished and is recorded as run {self.run_id} in {self.store.path}"
+                raise DiskFullError(str(exc).replace("nothing was written there", f"no JSON written; {where}"),
+                                    exc.path, exc.needed) from exc
+            raise exc
         return self.results
 
     @register_metric("perplexity")
@@ -274,7 +339,7 @@ class Evaluation:
             return None
         if getattr(self, "_ref", None) is None:
             self._ref = open_subject(spec, self.settings.reference_runtime, self.settings.threads,
-                                     n_ctx=max(self.settings.context, self.settings.seqlen))
+                                     n_ctx=self.settings.n_ctx)
         return self._ref
 
     @register_metric("fidelity")
@@ -385,7 +450,7 @@ class Evaluation:
         from .system import latency
 
         s = self.settings
-        ids = self.sub.encoder.encode(load_corpus("wikitext2", s.data_dir)[:20000])
+        ids = getattr(self, "_prompt", None) or self.sub.encoder.encode(load_corpus("wikitext2", s.data_dir)[:20000])
         if len(ids) < s.pp:
             raise DataError(f"WikiText-2 gave {len(ids)} tokens, fewer than the {s.pp}-token prompt")
         lat = latency(self.sub.runtime, ids[: s.pp], s.tg, s.repeats)

@@ -39,7 +39,8 @@ def check_same_tokenizer(candidate_encoder, reference_encoder, text: str) -> Non
 
 def _cache_path(reference_id: str, windows: list[list[int]]) -> os.PathLike:
     h = hashlib.sha256(reference_id.encode())
-    for w in windows:
+    for w in windows:  # each window's length first: two windows of 16 tokens are not one of the same 32
+        h.update(len(w).to_bytes(8, "little"))
         h.update(np.asarray(w, dtype=np.int64).tobytes())
     root = cache_dir() / "reference"
     root.mkdir(parents=True, exist_ok=True)

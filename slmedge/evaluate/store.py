@@ -16,6 +16,7 @@ older slmedge is read through an upgraded copy in memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -25,6 +26,7 @@ from pathlib import Path
 from platformdirs import user_data_dir
 
 from ..errors import SlmedgeError
+from ..fsutil import disk_full, no_space
 
 ENV = "SLMEDGE_RESULTS_DB"
 
@@ -196,6 +198,7 @@ class ResultsStore:
                 raise ResultsStoreError(f"no results store at {self.path} (the file {what}); nothing was created")
             self._open_readonly(applied)
             return
+        created = applied is None and not self.path.exists()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(str(self.path), timeout=60)
@@ -205,6 +208,11 @@ class ResultsStore:
             self._migrate(self.db)
         except sqlite3.DatabaseError as exc:
             self.db.close()
+            if created:  # a store this call began: nothing of it is left to look like one
+                for leftover in (self.path, self.path.with_name(self.path.name + "-journal")):
+                    leftover.unlink(missing_ok=True)
+            if disk_full(exc):  # a new store's tables: a few pages each, written twice (the journal)
+                raise no_space(self.path, 2 * 4096 * 16, left="no results were recorded") from exc
             raise ResultsStoreError(f"cannot write the results store {self.path} ({exc})") from exc
 
     def _open_readonly(self, applied: list[str]) -> None:
@@ -243,6 +251,22 @@ class ResultsStore:
         if self.readonly:
             raise ResultsStoreError(f"the results store {self.path} was opened read-only")
 
+    @contextlib.contextmanager
+    def writing(self, nbytes: int = 0):
+        """One write transaction of about ``nbytes`` of data (committed on leaving). A full disk is a
+        DiskFullError naming the store and about what the write needed (its data, and a page of the
+        table and one of its index each written twice: the rollback journal keeps the old page),
+        and the transaction is rolled back: the store keeps what it held before."""
+        try:
+            with self.db:
+                yield self.db
+        except sqlite3.OperationalError as exc:
+            if not disk_full(exc):
+                raise
+            page = self.db.execute("PRAGMA page_size").fetchone()[0]
+            raise no_space(self.path, 2 * (nbytes + 2 * page),
+                           left="the results recorded before are kept, this one was not recorded") from exc
+
     # --- runs ---------------------------------------------------------------------------------
 
     def start_run(self, model: str, artifact_sha256: str | None, runtime: str, threads: int, target: str,
@@ -253,12 +277,12 @@ class ResultsStore:
         self._writable()
         if status not in RUN_STATUSES:
             raise ValueError(f"run status must be one of {RUN_STATUSES}, not {status!r}")
-        with self.db:
-            cur = self.db.execute(
+        texts = (json.dumps(versions, sort_keys=True), json.dumps(settings, sort_keys=True, default=str))
+        with self.writing(sum(len(t) for t in texts) + 256) as db:
+            cur = db.execute(
                 "INSERT INTO runs (started_at, model, artifact_sha256, runtime, threads, target, emulated, versions, "
                 "settings, status, finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (_now(), model, artifact_sha256, runtime, threads, target, int(emulated),
-                 json.dumps(versions, sort_keys=True), json.dumps(settings, sort_keys=True, default=str), status,
+                (_now(), model, artifact_sha256, runtime, threads, target, int(emulated), *texts, status,
                  None if status == "running" else _now()))
         return int(cur.lastrowid)
 
@@ -277,8 +301,8 @@ class ResultsStore:
 
         self._writable()
         status = "done" if error is None else "failed"
-        with self.db:
-            self.db.execute("UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
+        with self.writing(len(str(error or "")) + 64) as db:
+            db.execute("UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
                             (status, None if error is None else str(error)[:2000], _now(), run_id))
         note("run", None)
 
@@ -290,13 +314,13 @@ class ResultsStore:
     def add(self, run_id: int, metric: str, value, subset: str = "", stderr=None, unit: str | None = None,
             extra: dict | None = None) -> None:
         self._writable()
-        with self.db:  # one commit per row: nothing finished is lost on an interrupt
-            self.db.execute(
+        text = json.dumps(extra, sort_keys=True, default=str) if extra else None
+        with self.writing(len(text or "") + len(metric) + len(subset) + 128) as db:  # a commit per row: nothing
+            db.execute(                                                      # finished is lost on an interrupt
                 "INSERT INTO results (run_id, metric, subset, value, stderr, unit, extra, recorded_at) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (run_id, metric, subset, None if value is None else float(value),
-                 None if stderr is None else float(stderr), unit,
-                 json.dumps(extra, sort_keys=True, default=str) if extra else None, _now()))
+                 None if stderr is None else float(stderr), unit, text, _now()))
 
     def rows(self, run_id: int | None = None, include_unfinished: bool = False) -> list[dict]:
         """One dict per result row, each with its run's ``status`` (``extra``: the row's extra dict, or None).

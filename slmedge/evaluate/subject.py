@@ -40,6 +40,7 @@ class Subject:
     config: dict = field(default_factory=dict)
     base_spec: str | None = None  # the reference by default: an artifact's base model
     streamed: bool = False  # torch runs the model one decoder block at a time (``torch_streamed``)
+    notes: list = field(default_factory=list)  # what the user is told of how the model was read (one line each)
 
     @property
     def label(self) -> str:
@@ -182,9 +183,10 @@ def _file_subject(spec_s: str, path: Path, fmt: str, rt: str, runs_files: bool, 
     """An export (a file or folder in ``fmt``) opened in ``rt``; what differs between formats (the
     model file inside, where the tokenizer is, the manifest's type key) is what the format registered."""
     export_format = get_format(fmt)
-    # What slmedge wrote is checked against the digests it recorded before a number is taken from it.
-    manifest = export_format.checked_manifest(path)
-    if not runs_files:
+    # What slmedge wrote is checked against the digests it recorded before a number is taken from it; a
+    # file another tool derived from it (llama-quantize copies the manifest along) is read as a foreign one.
+    manifest, note = export_format.input_manifest_of(path)
+    if not runs_files:  # the import reads the file again, and says the same note itself
         if not export_format.torch_source:
             raise ConfigError(f"{path} is {export_format.what}: it runs in {' or '.join(_runners(fmt))} "
                               f"(evaluate its source for {rt})")
@@ -210,7 +212,8 @@ def _file_subject(spec_s: str, path: Path, fmt: str, rt: str, runs_files: bool, 
             params = export_format.model_facts(model_file).get("params")
         except Exception:  # noqa: BLE001 - the size is reported without it
             params = None
-    return Subject(spec_s, run, encoder, ident, file=model_file, params=params, base_spec=_export_base(manifest))
+    return Subject(spec_s, run, encoder, ident, file=model_file, params=params, base_spec=_export_base(manifest),
+                   notes=[note] if note else [])
 
 
 def _folders_model(export_format, model_file: Path) -> bool:

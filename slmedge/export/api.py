@@ -38,7 +38,7 @@ def default_output(folder: Path, fmt: str, qtype: str) -> Path:
 
 
 def check_export_options(fmt: str, qtype: str = "auto", *, accuracy_level: int = 4, n_threads: int | None = None,
-                         block_size: int = 32):
+                         block_size: int = 32, imatrix=None):
     """The format, its type and every range, checked before any work (ConfigError, exit 2); returns
     the format. The CLI and ``export()`` both call it."""
     from .errors import ExportError
@@ -48,25 +48,35 @@ def check_export_options(fmt: str, qtype: str = "auto", *, accuracy_level: int =
         target.check_type(qtype)
     except ExportError as exc:  # an unknown type is a bad setting, whichever format says so
         raise ConfigError(str(exc)) from None
-    if not 0 <= accuracy_level <= 4:  # MatMulNBits: 0 (unset), 1 fp32, 2 fp16, 3 bf16, 4 int8 activations
-        raise ConfigError(f"--accuracy-level must be 0..4, got {accuracy_level}")
-    if n_threads is not None and n_threads < 1:
-        raise ConfigError(f"--threads must be at least 1, got {n_threads}")
-    if "block_size" in target.options and (block_size < 16 or block_size & (block_size - 1)):
-        raise ConfigError(f"--block-size: the block size must be a power of two >= 16, got {block_size}")
+    from ..limits import check, check_threads, usable_cpus
+
+    check("accuracy_level", accuracy_level, "--accuracy-level")
+    check("threads", n_threads, "--threads", none=True)
+    check_threads(n_threads, usable_cpus(), "--threads", "this machine")  # quantizing and verifying run here
+    if imatrix is not None:
+        if "imatrix" not in target.options:
+            raise ConfigError(f"--imatrix weights llama.cpp's quantizer: it is for --format gguf, not {fmt}")
+        from .imatrix import read_imatrix
+
+        read_imatrix(imatrix)  # a file llama-quantize would refuse is refused now, before any work
+    if "block_size" in target.options:
+        check("export_block_size", block_size, "--block-size")
+        if block_size & (block_size - 1):
+            raise ConfigError(f"--block-size: the block size must be a power of two >= 16, got {block_size}")
     return target
 
 
 def export(spec: str | None, fmt: str, qtype: str = "auto", output=None, *, exact: bool = False, verify: bool = True,
            overwrite: bool = False, n_threads: int | None = None, block_size: int = 32, accuracy_level: int = 4,
-           keep_fp32_head: bool = False, keep_f16_uncoded: bool = False, revision: str | None = None) -> dict:
+           keep_fp32_head: bool = False, keep_f16_uncoded: bool = False, revision: str | None = None,
+           imatrix=None) -> dict:
     """Write ``spec`` in the registered format ``fmt``; returns the writer's report."""
     import contextlib
 
     from ..fsutil import output_lock
 
     target = check_export_options(fmt, qtype, accuracy_level=accuracy_level, n_threads=n_threads,
-                                  block_size=block_size)
+                                  block_size=block_size, imatrix=imatrix)
     with contextlib.ExitStack() as held:
         if output is not None:  # one writer per output, refused before a source is converted or read
             target.check_output(Path(output))
@@ -75,6 +85,7 @@ def export(spec: str | None, fmt: str, qtype: str = "auto", output=None, *, exac
         out = Path(output) if output is not None else default_output(folder, target.name, qtype)
         target.check_output(out)
         options = target.writer_options({"block_size": block_size, "accuracy_level": accuracy_level,
-                                         "keep_fp32_head": keep_fp32_head, "keep_f16_uncoded": keep_f16_uncoded})
+                                         "keep_fp32_head": keep_fp32_head, "keep_f16_uncoded": keep_f16_uncoded,
+                                         "imatrix": imatrix})
         return target.write(folder, out, qtype, exact=exact, verify=verify, overwrite=overwrite, n_threads=n_threads,
                             **options)

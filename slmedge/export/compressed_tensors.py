@@ -63,7 +63,7 @@ from .errors import ExportError, ExportVerificationError
 from .formats import get_format, register_format
 from .inspect import EXPORT_MANIFEST, _by_type, read_export_manifest, verified_export_manifest, write_export_manifest
 from .source import ExportSource, iter_weights, open_export_source
-from .verify import check_logits, probe_text, source_tokenizer, torch_logits
+from .verify import check_logits, compare_logits, probe_text, source_tokenizer, torch_logits
 
 FORMAT = "compressed-tensors"
 FORMAT_PACKED = "pack-quantized"  # compressed-tensors' format of int codes packed in int32 words
@@ -161,11 +161,14 @@ def _refusal(name: str, spec, why: str, widths) -> str:
 
 
 def _scheme_key(spec, columns: int, act_order: bool) -> tuple:
-    """(bits, symmetric, group size or -1 for one group per row, act-order): one config group each.
-    With one group per row the column order cannot show in the format (compressed-tensors allows
-    ``actorder`` on groups only)."""
-    g = spec.group_width(columns)
-    return (spec.bits, spec.symmetric, -1 if g == columns else g, act_order and g != columns)
+    """(bits, symmetric, group size or -1 for per channel, act-order): one config group each. A grouped
+    grid stays a group strategy where its group spans a whole row (64-column linears in group 64): the
+    decoded weights are the same as a per-channel group's, and an artifact with one group size is then one
+    config group (transformers 5.21+ decodes every dense layer with a single group's scheme). Per channel,
+    the column order cannot show in the format (compressed-tensors allows ``actorder`` on groups only)."""
+    if spec.group_size == -1:
+        return (spec.bits, spec.symmetric, -1, False)
+    return (spec.bits, spec.symmetric, spec.group_width(columns), act_order)
 
 
 def plan_layers(src: ExportSource) -> dict:
@@ -394,38 +397,66 @@ def load_checkpoint(path: Path, dtype=None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..models.source import decompress_at_load
+    from ..models.source import decompress_at_load, single_scheme_reader
 
     with _quiet():  # a pruned-only export is a plain checkpoint: nothing to decompress
-        decompress = decompress_at_load(AutoConfig.from_pretrained(str(path)))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32, device_map="cpu",
-                                                     **decompress)
-    return model.eval()
+        config = AutoConfig.from_pretrained(str(path))
+        decompress = decompress_at_load(config)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32, device_map="cpu",
+                                                         **decompress)
+        except RuntimeError as exc:
+            why = single_scheme_reader(config, exc)
+            if why:
+                raise CompressedTensorsVerificationError(f"transformers cannot read the export back: {why} "
+                                                         "(or --no-verify writes it unverified); nothing was written"
+                                                         ) from exc
+            raise
+    from ..models.architectures import exact_attention
+
+    return exact_attention(model.eval())  # Gemma 2's soft-capping, as the artifact's logits were computed
 
 
 def verify_against_artifact(out: Path, src: ExportSource, plan: dict, probe: str | None = None) -> dict:
     """transformers' load of ``out`` against the artifact: every compressed linear's decoded weight equal
-    to the artifact's, then the logits on the probe within fp32 rounding."""
+    to the artifact's bit for bit (or, where this transformers multiplies codes by scales in the stored
+    scales' dtype, equal to the artifact's weight rounded to that dtype, bit for bit); then the logits
+    on the probe, with the artifact's fp32 weights in those linears, within fp32 rounding of torch's.
+    The logits as the reader decodes them are reported beside (``as_decoded``)."""
     import numpy as np
     import torch
 
     model = load_checkpoint(out)
     state = model.state_dict()
     entries = src.artifact.manifest["layers"]
+    scale_dtypes = _scale_dtypes(out / WEIGHTS)
+    decoded_in: dict[str, list[str]] = {}
     for name in plan:
         got = state.get(f"{name}.weight")
         want = _dense(src.path, name, entries[name])
-        if got is None or got.shape != want.shape or not torch.equal(got.float(), want):
+        arithmetic = _decoded_as(got, want, scale_dtypes.get(name))
+        if arithmetic is None:
             diff = "missing" if got is None or got.shape != want.shape else \
                 f"max |Δ| {float((got.float() - want).abs().max()):.3g}"
             raise CompressedTensorsVerificationError(
                 f"transformers decodes {name} of the compressed-tensors export to other weights than the artifact's "
                 f"({diff}); nothing was written")
+        decoded_in.setdefault(arithmetic, []).append(name)
+        del got, want
+    del state
     ids = source_tokenizer(src.path)(probe_text(probe), add_special_tokens=True)["input_ids"]
     ref = torch_logits(src.path, ids)
+    rounded = [n for a, names in decoded_in.items() if a != "float32" for n in names]
+    as_decoded = None
     with torch.no_grad():
         got = model(torch.tensor([ids])).logits[0].float().numpy()
-    del model, state
+        if rounded:  # the reader's arithmetic, measured; then the checkpoint's other parts, exactly
+            as_decoded = compare_logits(ref, got)
+            for name in rounded:
+                model.get_submodule(name).weight.data = _dense(src.path, name, entries[name]).to(
+                    model.get_submodule(name).weight.dtype)
+            got = model(torch.tensor([ids])).logits[0].float().numpy()
+    del model
     stats = check_logits(ref, got, TOLERANCES["kept"], "transformers' logits of the compressed-tensors export "
                          f"disagree with torch's of {src.path.name}", CompressedTensorsVerificationError,
                          weights_equal=len(plan))
@@ -434,7 +465,38 @@ def verify_against_artifact(out: Path, src: ExportSource, plan: dict, probe: str
             f"transformers' logits of the compressed-tensors export differ from torch's of {src.path.name} by "
             f"{stats['max_abs_logit_diff']:.3g} (> {MAX_ABS_LOGIT_DIFF:g}, fp32 rounding); nothing was written")
     stats["max_abs_logit_diff"] = float(np.float32(stats["max_abs_logit_diff"]))
+    stats["decoded_in"] = {a: len(names) for a, names in sorted(decoded_in.items())}
+    if as_decoded is not None:
+        stats["as_decoded"] = {"mean_kl": float(as_decoded["mean_kl"]),
+                               "top1_agreement": float(as_decoded["top1_agreement"]),
+                               "max_abs_logit_diff": float(np.float32(as_decoded["max_abs_logit_diff"]))}
     return stats
+
+
+def _scale_dtypes(weights: Path) -> dict:
+    """linear name -> the dtype its ``weight_scale`` is stored in (quantized linears only)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:
+        return {k[:-len(".weight_scale")]: f.get_slice(k).get_dtype() for k in f.keys() if k.endswith(".weight_scale")}
+
+
+def _decoded_as(got, want, scale_dtype: str | None) -> str | None:
+    """How a reader's decoded weight ``got`` relates to the artifact's ``want`` (fp32), bit for bit:
+    ``"float32"`` when equal; ``"F16"``/``"BF16"`` when it is the artifact's weight rounded to the stored
+    scales' dtype, which is what a reader that multiplies codes by scales in that dtype produces
+    (compressed-tensors' decompressor, and transformers from 5.2x on, which calls it); None otherwise."""
+    import torch
+
+    if got is None or got.shape != want.shape:
+        return None
+    got = got.float()
+    if torch.equal(got, want):
+        return "float32"
+    dtype = {"F16": torch.float16, "BF16": torch.bfloat16}.get(scale_dtype or "")
+    if dtype is not None and torch.equal(got, want.to(dtype).float()):
+        return scale_dtype
+    return None
 
 
 # --- reading an export back -------------------------------------------------------------------

@@ -48,6 +48,10 @@ class ExportFormat:
     # against the digests it records (ArtifactError when one changed); None: an output without one.
     # A format without it has only ``read_manifest`` (nothing recorded to check against).
     verified_manifest: Callable[[Path], dict | None] | None = None
+    # (path) -> (manifest, note) of an output given as an input (evaluate, inspect): a format whose files
+    # other tools derive carrying its manifest along (GGUF) reads those as files slmedge did not write,
+    # with a note; without it, ``checked_manifest`` and no note.
+    input_manifest: Callable[[Path], tuple[dict | None, str | None]] | None = None
     options: tuple[str, ...] = ()  # export()'s format-specific keyword arguments the writer takes
     packages: tuple[str, ...] = ()  # pip distributions its writer uses (a study's exports are rerun on a new version)
     error: type = ExportError  # what the writer raises when it cannot write as asked
@@ -98,6 +102,12 @@ class ExportFormat:
     def checked_manifest(self, out: Path) -> dict | None:
         """The output's manifest, checked against what it records where the format records digests."""
         return (self.verified_manifest or self.read_manifest)(out)
+
+    def input_manifest_of(self, out: Path) -> tuple[dict | None, str | None]:
+        """(manifest, note) of ``out`` given as an input; reuse as slmedge's own goes through ``reusable``."""
+        if self.input_manifest is not None:
+            return self.input_manifest(out)
+        return self.checked_manifest(out), None
 
     def reusable(self, out: Path) -> bool:
         """Whether an output slmedge wrote before (a cache entry, a study's export) is whole and

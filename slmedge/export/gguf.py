@@ -28,9 +28,9 @@ from ..compress.artifact import MANIFEST
 from ..compress.quant import QuantSpec, entry_spec
 from ..models.grids import Grid
 from ..errors import OutputExistsError, UnsupportedArchitectureError
-from ..fsutil import temp_name
+from ..fsutil import disk_full, no_space, temp_name
 from ..models.architectures import ARCHITECTURES, Architecture, GGUFLayout
-from ..models.gguf_seal import check_gguf, placeholder_manifest, seal_gguf
+from ..models.gguf_seal import check_gguf, input_gguf_manifest, placeholder_manifest, seal_gguf
 from .errors import ExportError, GGUFExportError, GGUFVerificationError
 from .formats import get_format, register_format
 from .gguf_hparams import add_hparams, hparam
@@ -271,6 +271,41 @@ def _report_rows(report: dict) -> list[tuple[str, str]]:
             ("tokenizer", f"{report['tokenizer']['model']} / pre {report['tokenizer'].get('pre')}")]
 
 
+def _importance_for(values: dict, meta: dict, path, requant: list[str], report_tensors: dict, qtype: str):
+    """The importance-matrix entries of the tensors llama.cpp quantizes in this export, checked against
+    their widths; refused (ConfigError / ImatrixError) where the matrix has nothing to weight here or
+    was made for another model. Returns (entries, what the manifest records of it)."""
+    from ..errors import ConfigError
+    from ..fsutil import sha256_file
+    from .imatrix import ImatrixError
+
+    if not requant:
+        raise ConfigError(f"--imatrix: nothing in this {qtype} export goes through llama.cpp's quantizer (every tensor "
+                          "keeps its codes or its float type), so an importance matrix has nothing to weight")
+    used, lacking = {}, []
+    for name in requant:
+        if name in values:
+            columns = int(report_tensors[name]["shape"][-1])
+            if values[name].size != columns:
+                raise ImatrixError(f"the importance matrix {path} has {values[name].size} values for {name}, whose "
+                                   f"rows have {columns}: it was made for another model")
+            used[name] = values[name]
+        elif name.startswith("blk.") and len(report_tensors[name]["shape"]) == 2:
+            lacking.append(name)  # llama-imatrix records every block's weight matrices
+    if lacking:
+        shown = ", ".join(sorted(lacking)[:2])
+        raise ImatrixError(f"the importance matrix {path} has no entry for {shown}"
+                           f"{' and others' if len(lacking) > 2 else ''}, which llama.cpp quantizes here: "
+                           "it was made for another model")
+    if not used:  # only tensors outside the blocks go through the quantizer (an artifact's embedding, head)
+        raise ConfigError(f"--imatrix: llama.cpp's quantizer only gets {', '.join(sorted(requant))} in this {qtype} "
+                          "export (the blocks keep their codes), and the importance matrix has no entry for them "
+                          "(llama-imatrix records the output only with --process-output): nothing to weight")
+    info = {"file": Path(path).name, "sha256": sha256_file(path), "entries_used": len(used),
+            "chunk_count": meta["chunk_count"], "chunk_size": meta["chunk_size"], "datasets": meta["datasets"]}
+    return used, info
+
+
 def _ours(path: Path) -> bool:
     """A GGUF file slmedge wrote: it carries slmedge's manifest."""
     try:
@@ -280,18 +315,20 @@ def _ours(path: Path) -> bool:
 
 
 @register_format("gguf", label="GGUF", single_file=True, suffix=".gguf", complete=lambda out: Path(out).is_file(),
-                 read_manifest=read_gguf_manifest, verified_manifest=check_gguf, types=tuple(QTYPES), tolerances=TOLERANCES,
-                 options=("keep_f16_uncoded",), error=GGUFExportError, report_rows=_report_rows,
+                 read_manifest=read_gguf_manifest, verified_manifest=check_gguf, input_manifest=input_gguf_manifest,
+                 types=tuple(QTYPES), tolerances=TOLERANCES,
+                 options=("keep_f16_uncoded", "imatrix"), error=GGUFExportError, report_rows=_report_rows,
                  inspect=inspect_gguf, inspect_rows=gguf_rows, magic=b"GGUF", model_facts=gguf_model_facts,
                  tokenizer="inside", type_key="qtype", torch_source=True, packages=("gguf",))
 def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, verify: bool = True, *,
                 overwrite: bool = False, probe: str | None = None, n_threads: int | None = None,
-                keep_f16_uncoded: bool = False) -> dict:
+                keep_f16_uncoded: bool = False, imatrix=None) -> dict:
     """Write ``source`` (an slmedge artifact or a plain HF folder) as one GGUF file at ``out_path``.
 
     ``qtype``: ``auto`` (the type matching the artifact's codes, else f16), ``f32``, ``f16``,
     ``q8_0``, ``q4_0``, ``q4_1``. Codes that fit the type are placed as they are; the rest go
-    through llama.cpp's quantizer with a warning (``exact=True`` refuses instead). With
+    through llama.cpp's quantizer with a warning (``exact=True`` refuses instead), weighted by the
+    importance matrix ``imatrix`` (a llama.cpp imatrix GGUF file) where one is given. With
     ``verify``, llama.cpp's logits of the file are compared with torch's of the source and a
     disagreement raises :class:`GGUFVerificationError`. The file appears only when complete and
     verified. Returns a report (types per tensor, which kept their codes, verification stats).
@@ -303,13 +340,19 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
     out = Path(out_path)
     if out.exists() and not out.is_file():
         raise OutputExistsError(f"{out} is a directory: a GGUF export is one file; give a path ending in .gguf")
-    if out.exists() and not overwrite:
-        raise OutputExistsError(f"{out} exists; pass --overwrite to replace it")
+    # What slmedge did not write is never replaced: --overwrite is advised only where it would work.
     if out.exists() and not _ours(out):
         raise OutputExistsError(f"{out} is not a GGUF file slmedge wrote (no slmedge.manifest in it); --overwrite only "
                                 "replaces slmedge's own outputs: choose another output")
+    if out.exists() and not overwrite:
+        raise OutputExistsError(f"{out} exists; pass --overwrite to replace it")
     if Path(source).exists() and Path(source).resolve() == out.resolve():
         raise OutputExistsError(f"output {out} is the input; choose another output")
+    importance, importance_meta = (None, None)
+    if imatrix is not None:
+        from .imatrix import read_imatrix
+
+        importance, importance_meta = read_imatrix(imatrix)
     out.parent.mkdir(parents=True, exist_ok=True)
     src = _open_source(source)
     recipe = src.artifact.manifest.get("recipe") if src.artifact is not None else None
@@ -412,6 +455,12 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
     coded_requant = [n for n in requant if report_tensors[n].get("grid")]
     for name in requant:
         report_tensors[name]["type"] = f"requantized by llama.cpp ({target.name})"
+    imatrix_info = None
+    if importance is not None:
+        importance, imatrix_info = _importance_for(importance, importance_meta, imatrix, requant, report_tensors,
+                                                   target.name)
+        notes.append(f"llama.cpp's quantizer weighted by the importance matrix {Path(imatrix).name} "
+                     f"({imatrix_info['entries_used']} of the {len(requant)} tensors it quantizes)")
     manifest = {
         "format": "slmedge-gguf-export",
         "source": str(src.path),
@@ -419,6 +468,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         "source_manifest_sha256": src.artifact.manifest_sha256 if src.artifact is not None else None,
         "recipe": (src.artifact.manifest.get("recipe") if src.artifact is not None else None),
         "qtype": target.name,
+        "imatrix": imatrix_info,
         "tensors": {n: {k: v for k, v in t.items() if k in ("type", "codes_kept", "grid", "sparsity", "requantized_because")}
                     for n, t in report_tensors.items()},
     }
@@ -451,7 +501,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         writer.close()
         if stage is not None:
             llamacpp_quantize(stage, tmp, target, n_threads,
-                              keep={name: report_tensors[name]["type"] for name in placed})
+                              keep={name: report_tensors[name]["type"] for name in placed}, imatrix=importance)
             check_requantized(tmp, stage, placed, report_tensors)
         seal_gguf(tmp)  # the file's digest and the manifest's, written into the manifest in place
         verification = None
@@ -462,6 +512,11 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
             verification = verify_against_torch(tmp, src, TOLERANCES[kind], probe, n_threads,
                                                 tokenizer_copied=tok_info["source"].startswith("gguf:"))
         os.replace(tmp, out)
+    except Exception as exc:
+        if disk_full(exc):  # the tensors' bytes (the f32 stage file too when llama.cpp re-quantizes)
+            planned = sum(item.nbytes for item in plan)
+            raise no_space(out, planned * (2 if stage is not None else 1)) from exc
+        raise
     finally:
         for p in (tmp, stage):
             if p is not None:
@@ -477,6 +532,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         "exact": not coded_requant and src.artifact is not None and bool(kept),
         "codes_kept": len(kept),
         "requantized_by_llamacpp": len(requant),
+        "imatrix": imatrix_info,
         "tied_embeddings": tied,
         "qk_permuted": bool(src.layout.permute),
         "tokenizer": tok_info,

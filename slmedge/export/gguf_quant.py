@@ -157,10 +157,13 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def llamacpp_quantize(src_path: Path, dst_path: Path, qtype: QType, n_threads: int | None = None,
-                      keep: dict[str, str] | None = None) -> None:
+                      keep: dict[str, str] | None = None, imatrix: dict | None = None) -> None:
     """llama.cpp's quantizer on the staged file: its tensors in float get the types its own rules give
     them in a file of ``qtype``; ``keep`` (GGUF name -> ggml type name) are tensors already holding codes,
-    told to stay in their type (a per-tensor override), so they are copied whatever its rules would pick."""
+    told to stay in their type (a per-tensor override), so they are copied whatever its rules would pick.
+    ``imatrix``: {GGUF tensor name: mean squared input per column (float32)} (``export.imatrix.read_imatrix``),
+    passed as ``llama-quantize --imatrix`` passes it."""
+    import ctypes
     import re
 
     from ..models.gguf_check import quiet_native_stderr
@@ -171,17 +174,30 @@ def llamacpp_quantize(src_path: Path, dst_path: Path, qtype: QType, n_threads: i
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{qtype.ftype}")
     params.nthread = n_threads or max(1, os.cpu_count() or 1)
     params.allow_requantize = False  # tensors already holding codes are copied, never re-quantized
-    overrides = None
+    alive = []  # what the C side points into, kept alive until the call returns
     if keep:
         import gguf
 
         overrides = (llama_cpp.llama_model_tensor_override * (len(keep) + 1))()
-        patterns = [f"^{re.escape(name)}$".encode() for name in keep]  # kept alive until the call returns
+        patterns = [f"^{re.escape(name)}$".encode() for name in keep]
+        alive.append(patterns)
         for i, (pattern, ggml) in enumerate(zip(patterns, keep.values())):
             overrides[i].pattern = pattern
             overrides[i].type = int(gguf.GGMLQuantizationType[ggml])
         overrides[len(keep)].pattern = None
+        alive.append(overrides)
         params.tt_overrides = overrides
+    if imatrix:
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
+        for i, (name, values) in enumerate(sorted(imatrix.items())):
+            arr = np.ascontiguousarray(values, dtype=np.float32)
+            alive.append((name.encode(), arr))
+            entries[i].name = alive[-1][0]
+            entries[i].data = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[i].size = arr.size
+        entries[len(imatrix)].name = None  # the terminator
+        alive.append(entries)
+        params.imatrix = entries
     with quiet_native_stderr(), native("llama.cpp's quantizer", src_path):
         rc = llama_cpp.llama_model_quantize(str(src_path).encode(), str(dst_path).encode(), params)
     if rc != 0:

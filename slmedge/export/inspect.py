@@ -43,9 +43,11 @@ def inspect_path(path) -> dict:
                            f"model and no {MANIFEST}); inspect takes {_what_inspect_takes(formats)}")
     if found is None:
         raise InspectError(f"{p} is not {_what_inspect_takes(formats)}")
-    checked = found.checked_manifest(p)
+    checked, note = found.input_manifest_of(p)
     info = found.inspect(p)
-    info["checksums"] = "match the manifest" if checked is not None else "none recorded (not written by slmedge)"
+    info["checksums"] = ("match the manifest" if checked is not None else
+                         "manifest ignored: the file's bytes are not those slmedge wrote (derived by another tool)"
+                         if note else "none recorded (not written by slmedge)")
     return info
 
 

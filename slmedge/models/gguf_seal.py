@@ -15,6 +15,12 @@ before 9705866, 2026-12-01, cannot be told from a manifest whose seal was remove
 ``ModifiedGGUFError`` for that alone (its manifest intact, its bytes not), e.g. a file re-quantized
 by llama-quantize from slmedge's export, which carries the export's manifest along.
 
+``input_gguf_manifest`` is how a GGUF given as an input (to evaluate, inspect, import) is read: a file
+``check_gguf`` finds modified since slmedge wrote it is a file slmedge did not write (llama-quantize's
+output from slmedge's f16 export is the ordinary case), its manifest ignored with one note saying so.
+Where slmedge reuses its own outputs as its own (caches, a study's exports: ``reusable``) the
+same finding still refuses the file: those callers use ``check_gguf`` itself.
+
 It lives with the models because a GGUF is also a model source (``models.source`` imports one).
 """
 
@@ -43,67 +49,109 @@ def placeholder_manifest(manifest: dict) -> dict:
 
 # GGUF metadata value types -> their width in bytes (8: string, 9: array are read as they come)
 _WIDTH = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# ... and how a scalar of each type reads (struct format, little-endian)
+_FORMAT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def _header(buf):
+    """(key, value type, offset of the value) of each key/value of a little-endian GGUF's header in
+    ``buf`` (bytes or an mmap), walking the header alone (gguf.GGUFReader builds an object for every
+    vocabulary entry first: 5 s for a 49k-token vocabulary, against ~0.05 s here). ValueError: not a
+    GGUF this walk reads (big-endian, truncated, not a GGUF)."""
+    import struct
+
+    size = len(buf)
+    if size < 24 or buf[:4] != b"GGUF":
+        raise ValueError("not a GGUF")
+    version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version & 0xFFFF == 0 or version > 0xFFFF:  # a big-endian file: GGUFReader reads those
+        raise ValueError("big-endian GGUF")
+    at = 24
+
+    def need(n: int) -> None:
+        if at + n > size:
+            raise ValueError("truncated GGUF metadata")
+
+    def skip(vtype: int) -> None:
+        nonlocal at
+        if vtype == 8:
+            need(8)
+            (n,) = struct.unpack_from("<Q", buf, at)
+            need(8 + n)
+            at += 8 + n
+        elif vtype == 9:
+            need(12)
+            etype, count = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            if etype in _WIDTH:
+                need(count * _WIDTH[etype])
+                at += count * _WIDTH[etype]
+            else:
+                for _ in range(count):
+                    skip(etype)
+        elif vtype in _WIDTH:
+            need(_WIDTH[vtype])
+            at += _WIDTH[vtype]
+        else:
+            raise ValueError(f"unknown GGUF value type {vtype}")
+
+    for _ in range(n_kv):
+        need(8)
+        (n,) = struct.unpack_from("<Q", buf, at)
+        need(8 + n + 4)
+        name = bytes(buf[at + 8: at + 8 + n])
+        (vtype,) = struct.unpack_from("<I", buf, at + 8 + n)
+        at += 8 + n + 4
+        yield name, vtype, at
+        skip(vtype)
 
 
 def string_value_span(path: Path, key: str) -> tuple[int, int] | None:
-    """(offset, length) of the bytes of the string metadata ``key`` of a little-endian GGUF, read by
-    walking the key/value header alone (gguf.GGUFReader builds an object for every vocabulary entry
-    first: 5 s for a 49k-token vocabulary, against ~0.05 s here). None: no such string key. ValueError:
-    not a GGUF this walk reads (big-endian, truncated, not a GGUF)."""
+    """(offset, length) of the bytes of the string metadata ``key`` of a little-endian GGUF (``_header``).
+    None: no such string key. ValueError: not a GGUF this walk reads."""
     import mmap
     import struct
 
+    want = key.encode("utf-8")
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        size = len(buf)
-        if size < 24 or buf[:4] != b"GGUF":
-            raise ValueError("not a GGUF")
-        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version & 0xFFFF == 0 or version > 0xFFFF:  # a big-endian file: GGUFReader reads those
-            raise ValueError("big-endian GGUF")
-        at = 24
-        want = key.encode("utf-8")
-
-        def need(n: int) -> None:
-            if at + n > size:
-                raise ValueError("truncated GGUF metadata")
-
-        def skip(vtype: int) -> None:
-            nonlocal at
-            if vtype == 8:
-                need(8)
-                (n,) = struct.unpack_from("<Q", buf, at)
-                need(8 + n)
-                at += 8 + n
-            elif vtype == 9:
-                need(12)
-                etype, count = struct.unpack_from("<IQ", buf, at)
-                at += 12
-                if etype in _WIDTH:
-                    need(count * _WIDTH[etype])
-                    at += count * _WIDTH[etype]
-                else:
-                    for _ in range(count):
-                        skip(etype)
-            elif vtype in _WIDTH:
-                need(_WIDTH[vtype])
-                at += _WIDTH[vtype]
-            else:
-                raise ValueError(f"unknown GGUF value type {vtype}")
-
-        for _ in range(n_kv):
-            need(8)
-            (n,) = struct.unpack_from("<Q", buf, at)
-            need(8 + n + 4)
-            name = buf[at + 8: at + 8 + n]
-            (vtype,) = struct.unpack_from("<I", buf, at + 8 + n)
-            at += 8 + n + 4
+        for name, vtype, at in _header(buf):
             if name == want and vtype == 8:
-                need(8)
+                if at + 8 > len(buf):
+                    raise ValueError("truncated GGUF metadata")
                 (length,) = struct.unpack_from("<Q", buf, at)
-                need(8 + length)
+                if at + 8 + length > len(buf):
+                    raise ValueError("truncated GGUF metadata")
                 return at + 8, int(length)
-            skip(vtype)
     return None
+
+
+def header_values(path: Path, keys) -> dict:
+    """The metadata ``keys`` of a little-endian GGUF file, read from its header alone: numbers,
+    booleans and strings as they are; an array as its length, or, for an array of numbers, its
+    largest element (per-layer head counts). Keys it does not have are left out. ValueError: not a
+    GGUF this walk reads."""
+    import mmap
+    import struct
+
+    want = {k.encode("utf-8"): k for k in keys}
+    out: dict = {}
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        for name, vtype, at in _header(buf):
+            if name not in want:
+                continue
+            if vtype in _FORMAT:
+                (out[want[name]],) = struct.unpack_from(_FORMAT[vtype], buf, at)
+            elif vtype == 8:
+                (n,) = struct.unpack_from("<Q", buf, at)
+                out[want[name]] = bytes(buf[at + 8: at + 8 + n]).decode("utf-8", "replace")
+            elif vtype == 9:
+                etype, count = struct.unpack_from("<IQ", buf, at)
+                if etype in _FORMAT and count and at + 12 + count * _WIDTH[etype] <= len(buf):
+                    fmt = _FORMAT[etype]
+                    out[want[name]] = max(struct.unpack_from(f"<{count}{fmt[1]}", buf, at + 12))
+                else:
+                    out[want[name]] = int(count)
+    return out
 
 
 def _manifest_span(path: Path) -> tuple[int, int, dict] | None:
@@ -203,3 +251,17 @@ def check_gguf(path) -> dict | None:
         raise ModifiedGGUFError(f"checksum mismatch for {path}: the file was modified or is corrupt since slmedge "
                                 "wrote it; export it again")
     return manifest
+
+
+def input_gguf_manifest(path) -> tuple[dict | None, str | None]:
+    """(manifest, note) of a GGUF given as an input: the manifest ``check_gguf`` returns, or, for a file
+    it finds modified since slmedge wrote it, no manifest and a one-line note that it was ignored and why.
+    A manifest that is itself damaged or unsealed is still refused (ArtifactError): that is no file a
+    tool derived from slmedge's, but one whose record was changed."""
+    path = Path(path)
+    try:
+        return check_gguf(path), None
+    except ModifiedGGUFError:
+        return None, (f"{path.name} carries the slmedge.manifest of the file it was made from (llama-quantize "
+                      "copies it along), but its tensors are not that file's: the manifest is ignored and the "
+                      "file is evaluated as one slmedge did not write")

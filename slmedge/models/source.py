@@ -466,7 +466,37 @@ def _load_weights(target, source, revision, trust_remote_code, dtype, config=Non
             raise ModelNotFoundError(f"could not get the weights of '{source.spec}' from the Hub: {msg}") from exc
         raise ModelLoadError(f"cannot load the weights in {target}: {msg}") from exc
     except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        why = single_scheme_reader(config, exc)
+        if why:
+            raise ModelLoadError(f"cannot load the weights in {target}: {why}") from exc
         raise ModelLoadError(f"cannot load the weights in {target} (corrupt or incompatible file?): {_first_line(exc)}") from exc
+
+
+def single_scheme_reader(config, exc: BaseException) -> str | None:
+    """Why transformers failed on a compressed-tensors checkpoint with several weight config groups, when
+    that is the cause: from 5.21 on its loader decodes every dense layer with one group's scheme
+    (``get_dense_scheme``), so layers of another grid fail to convert. None for any other failure."""
+    qc = getattr(config, "quantization_config", None) if config is not None else None
+    if hasattr(qc, "to_dict"):
+        qc = qc.to_dict()
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        return None
+    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
+    if len(groups) < 2 or "conversion" not in str(exc).lower():
+        return None
+    import transformers
+
+    grids = "; ".join(_grid(g["weights"]) for g in groups)
+    return (f"it is a compressed-tensors checkpoint with {len(groups)} weight grids ({grids}), and transformers "
+            f"{transformers.__version__} decodes every dense layer with one grid's scheme, so it cannot convert the "
+            "others (transformers 5.17-5.20 and vLLM read each group with its own). Load it with one of those, or "
+            "export an artifact whose group size divides every linear's width (one grid)")
+
+
+def _grid(w: dict) -> str:
+    g = w.get("group_size")
+    return f"W{w.get('num_bits')} {'per channel' if w.get('strategy') == 'channel' else f'group {g}'}" + \
+        (" sym" if w.get("symmetric") else " asym")
 
 
 # transformers 4.57.3+ takes any local folder saved by 4.57.3+ for a Mistral one and warns that its
@@ -511,9 +541,15 @@ def gguf_to_hf_dir(gguf_path: Path, verify: bool = True) -> Path:
     small CPU, so its result is kept in the cache, keyed by the file's sha256.
     """
     gguf_path = Path(gguf_path)
-    from .gguf_seal import check_gguf
+    from .gguf_seal import input_gguf_manifest
 
-    check_gguf(gguf_path)  # a GGUF slmedge wrote: unchanged since (a foreign one has nothing to check)
+    # A GGUF slmedge wrote: unchanged since (a foreign one has nothing to check); one a tool derived from
+    # slmedge's export, carrying its manifest along, is read as a foreign one, with a note.
+    _manifest, note = input_gguf_manifest(gguf_path)
+    if note:
+        import sys
+
+        print(f"note: {note}", file=sys.stderr)
     digest = sha256_file(gguf_path)
     # The embedded default and its file share it. "-2": conversions that keep the file's BOS flag;
     # "-3": without the GGUF file itself copied in as tokenizer.model; "-4": keyed by the libraries that

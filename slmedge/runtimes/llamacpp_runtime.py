@@ -15,7 +15,7 @@ from .registry import register_runtime
 
 @register_runtime("llama.cpp", export_format="gguf", suffixes=(".gguf",), module="llama_cpp",
                   package="llama-cpp-python", install="pip install llama-cpp-python",
-                  aliases=("llamacpp", "llama_cpp"), kv_bytes_per_value=2, arm64="build")
+                  aliases=("llamacpp", "llama_cpp"), kv_bytes_per_value=2, arm64="build", holds_context=True)
 class LlamaCppRuntime(Runtime):
     def __init__(self, path, threads: int | None = None, n_ctx: int = 2048, n_gpu_layers: int = 0):
         super().__init__(threads)

@@ -30,6 +30,10 @@ class RuntimeSpec:
     aliases: tuple[str, ...] = ()
     kv_bytes_per_value: int = 4  # its KV cache's element size (llama.cpp: f16)
     integer_kernels: bool = True  # quantized files run integer kernels (the roofline's compute peak)
+    # It allocates its KV cache and every position's logits for the whole context when a file opens
+    # (llama.cpp's n_ctx with logits_all): the memory an evaluation needs counts the context, not
+    # only the longest sequence it runs (``evaluate.bounds``).
+    holds_context: bool = False
     # How the emulated arm64 target gets it: "wheel" (its package's aarch64 wheel, in this machine's
     # version), "build" (cross-compiled by the emulation's builder for it), "" (not there).
     arm64: str = ""

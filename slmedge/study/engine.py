@@ -46,7 +46,7 @@ class StudyStore:
         """Record the study's grid. Jobs of an earlier version of the file that this one no longer
         asks for keep their results but leave the grid (the report shows the file as it is now);
         a job that comes back into the file finds its finished result again."""
-        with self.db:
+        with self.store.writing(sum(len(json.dumps(j.spec)) + len(json.dumps(j.labels)) for j in jobs)):
             self.db.execute("UPDATE study_jobs SET in_grid = 0 WHERE study = ?", (study,))
             for j in jobs:
                 self.db.execute(
@@ -81,7 +81,7 @@ class StudyStore:
         return {r[0]: {"output": r[1], "run_id": r[2]} for r in rows}
 
     def event(self, study: str, job_id: str, event: str, detail: str | None = None) -> None:
-        with self.db:
+        with self.store.writing(len(detail or "") + 128):
             self.db.execute("INSERT INTO study_events (study, job_id, event, detail, at) VALUES (?, ?, ?, ?, ?)",
                             (study, job_id, event, detail, _now()))
 
@@ -94,17 +94,17 @@ class StudyStore:
             run_id = self.store.start_run(*start["args"], **start["kwargs"])
             for call in calls[1:]:
                 self.store.add(run_id, *call["args"][1:], **call["kwargs"])
-        with self.db:  # the job's row and its event in one transaction
+        facts = json.dumps(result["facts"], sort_keys=True) if result.get("facts") else None
+        with self.store.writing(len(facts or "") + 256):  # the job's row and its event in one transaction
             self.db.execute("UPDATE study_jobs SET status = 'done', output = ?, run_id = ?, seconds = ?, finished_at = ?, "
                             "facts = ? WHERE study = ? AND job_id = ?",
-                            (result.get("output"), run_id, result.get("seconds"), _now(),
-                             json.dumps(result["facts"], sort_keys=True) if result.get("facts") else None, study, job.id))
+                            (result.get("output"), run_id, result.get("seconds"), _now(), facts, study, job.id))
             self.db.execute("INSERT INTO study_events (study, job_id, event, detail, at) VALUES (?, ?, 'finished', ?, ?)",
                             (study, job.id, "reused" if result.get("reused") else None, _now()))
         return run_id
 
     def fail(self, study: str, job: Job, error: str) -> None:
-        with self.db:
+        with self.store.writing(min(len(error), 2000) + 128):
             self.db.execute("UPDATE study_jobs SET status = 'failed' WHERE study = ? AND job_id = ?", (study, job.id))
             self.db.execute("INSERT INTO study_events (study, job_id, event, detail, at) VALUES (?, ?, 'failed', ?, ?)",
                             (study, job.id, error[:2000], _now()))
@@ -128,10 +128,28 @@ class _RowRecorder:
 
 
 def _made(kind: str, spec: dict, out) -> bool:
-    """Whether a compress or export job's output is on disk, whole (its last file is written last)."""
+    """Whether a compress or export job's output is on disk, whole (its last file is written last)
+    and its files unchanged since they were written (against the checksums its manifest records): a
+    corrupt one (a damaged or missing file) is made again, by this run, rather than failing every job
+    that reads it. A manifest whose seal was removed or no longer matches is not replaced: it counts
+    as made, and every job that reads it refuses it with the seal's message (an edit is the user's to
+    undo, never silently overwritten)."""
     out = Path(out)
     if kind == "compress":
-        return is_artifact(out)
+        if not is_artifact(out):
+            return False
+        from ..compress.artifact import Artifact
+        from ..models.artifact_format import check_manifest_seal, manifest_path
+
+        try:
+            check_manifest_seal(out, json.loads(manifest_path(out).read_text(encoding="utf-8")))
+        except (SlmedgeError, OSError, ValueError):
+            return True  # refused, with the seal's message, by the jobs that read it
+        try:
+            Artifact.open(out, verify=True)
+        except (SlmedgeError, OSError, ValueError):
+            return False
+        return True
     from ..export.formats import get_format
 
     return get_format(spec["format"]).reusable(out)  # whole, and unchanged since it was written
@@ -171,9 +189,9 @@ def _discard(path: str) -> int:
 
 def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) -> dict:
     """Do one job; returns what it made. Module-level, so process pools and Ray can call it."""
-    import warnings
+    from ..quiet import quiet_libraries
 
-    warnings.filterwarnings("ignore")
+    quiet_libraries(own_warnings=False)  # a worker's notes go into its results (everything under --debug)
     from . import levels
 
     t0 = time.perf_counter()
@@ -208,7 +226,27 @@ def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) 
         from ..export.api import export
 
         source = job["source_path"]
-        report = export(source, spec["format"], spec["type"], out, overwrite=True, n_threads=threads)
+        if not spec.get("imatrix"):
+            report = export(source, spec["format"], spec["type"], out, overwrite=True, n_threads=threads)
+        else:  # the row's model's importance on the study's calibration, a temporary beside the output
+            from ..export.imatrix import make_imatrix
+            from ..fsutil import temp_name
+
+            im = spec["imatrix"]
+            if threads:
+                import torch
+
+                torch.set_num_threads(threads)
+            with output_lock(out):  # held for both steps: a killed run's matrix is the next writer's to remove
+                imatrix = temp_name(out, "stage")
+                try:
+                    make_imatrix(source, imatrix, calibration=im["calibration"], nsamples=im["nsamples"],
+                                 seqlen=im["seqlen"], seed=im["seed"], batch_size=im["batch_size"], data_dir=data_dir,
+                                 device="cpu", overwrite=True)
+                    report = export(source, spec["format"], spec["type"], out, overwrite=True, n_threads=threads,
+                                    imatrix=imatrix)
+                finally:
+                    imatrix.unlink(missing_ok=True)
         return {"output": str(out), "seconds": time.perf_counter() - t0,
                 "facts": levels.export_facts(fmt, report, _quantized(job["labels"]))}
     from ..evaluate.api import EvalSettings, evaluate
@@ -216,6 +254,11 @@ def run_job(job: dict, threads: int | None = None, data_dir: str | None = None) 
     ev = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["settings"].items()}
     ev.setdefault("threads", threads)
     ev["data_dir"] = data_dir
+    if ev.get("reference") is None and spec["subject"] != job["labels"].get("model", spec["subject"]):
+        # Fidelity's default reference is the model the row was made from. An export found it through
+        # its source artifact, which --discard-artifacts may have deleted by now (fidelity was then
+        # skipped without a word); the study knows that model: the same reference, named directly.
+        ev["reference"] = job["labels"]["model"]
     rec = _RowRecorder()
     if "same_as" in spec:
         results, carried = _evaluate_same_as(job, EvalSettings(**ev, target=spec["target"]), rec)
@@ -241,6 +284,10 @@ def _evaluate_same_as(job: dict, settings, rec) -> tuple[dict, dict]:
     from . import carry
 
     spec, same = job["spec"], job["spec"]["same_as"]
+    from ..models.shape import model_shape
+
+    shape = model_shape(job["output"])
+    settings = settings.resolved(shape.positions if shape is not None else None)
     n_ctx = max(settings.context, settings.seqlen, same["probe_tokens"] + 8)
     sub = open_on_target(job["output"], settings.runtime, settings.threads, n_ctx, get_profile(settings.target))
     ev = Evaluation(job["output"], settings, store=rec, subject=sub)
@@ -392,8 +439,9 @@ def check_engine(engine: str, workers: int | None) -> None:
     """The engine and the number of workers, before anything is listed or run (ConfigError, exit 2)."""
     if engine not in ENGINES:
         raise ConfigError(f"unknown engine '{engine}' (--engine): choose {' or '.join(ENGINES)}")
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        raise ConfigError(f"--workers must be at least 1, got {workers}")
+    from ..limits import check
+
+    check("workers", workers, "--workers", none=True)
 
 
 def run_study(study: Study, store, engine: str = "local", workers: int | None = None, address: str | None = None,
@@ -426,7 +474,8 @@ def _run_locked(study: Study, store, engine, workers, address, wd: Path, jobs: l
     by_id = {j.id: j for j in jobs}
     rebuild = _missing_outputs(jobs, done)
     for j in rebuild:
-        ss.event(study.name, j.id, "rebuilding", f"its output {done[j.id]['output']} is gone and a job needs it")
+        ss.event(study.name, j.id, "rebuilding", f"its output {done[j.id]['output']} is gone, incomplete or "
+                 "changed since it was written, and a job needs it")
         del done[j.id]
     remaining = [j for j in jobs if j.id not in done]
     counts = {"jobs": len(jobs), "already_done": sum(1 for j in jobs if j.id in done), "ran": 0, "reused": 0,

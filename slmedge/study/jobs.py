@@ -107,6 +107,15 @@ def build_jobs(study: Study, workdir: Path, data_dir=None) -> list[Job]:
                         spec = {"kind": "export", "source": source_dep[0] if source_dep else model,
                                 "format": exp.format, "type": exp.type,
                                 "inputs": {**direct, "versions": ins.versions(pkgs + direct_pkgs, code)}}
+                        if exp.imatrix:  # computed on the study's calibration windows, from the row's model
+                            dataset = study.calibration.get("dataset", Recipe.calibration)
+                            if dataset not in calibration:
+                                calibration[dataset] = ins.calibration_inputs(dataset, data_dir)
+                            spec["imatrix"] = {"calibration": dataset,
+                                               "nsamples": study.calibration.get("nsamples", Recipe.nsamples),
+                                               "seqlen": study.calibration.get("seqlen", Recipe.seqlen),
+                                               "batch_size": study.calibration.get("batch_size", Recipe.batch_size),
+                                               "seed": seed or 0, "inputs": calibration[dataset]}
                         eid = _id(spec)
                         out = workdir / "exports" / get_format(exp.format).output_name(eid)
                         ex = add(Job(eid, "export", spec, labels, list(source_dep), str(out)))

@@ -18,6 +18,7 @@ import io
 import json
 import math
 import sqlite3
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def load_rows(store, study: str | None = None) -> list[dict]:
         raise ResultsStoreError(f"no finished evaluations of study '{study}' in {store.path} "
                                 f"(studies: {', '.join(known) or 'none'})")
     if not jobs:  # a store of plain evaluations
-        jobs = [(None, json.dumps({"model": m, "method": "-", "export": rt, "target": t}), rid, "{}")
+        jobs = [(None, json.dumps({"model": m, "export": rt, "target": t}), rid, "{}")
                 for rid, m, rt, t in db.execute(f"SELECT id, model, runtime, target FROM runs r WHERE {_FINISHED} "
                                                 "ORDER BY id")]
     facts: dict = {}
@@ -294,32 +295,80 @@ def plots(rows: list[dict]) -> list[tuple[str, bytes]]:
     langs = _subsets(rows, "perplexity")
     pts = [r for r in rows if r.get("compression_bits") is not None]
     if langs and pts:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for lang in langs:
-            xy = sorted((r["compression_bits"], _value(r, "perplexity", lang)) for r in pts
-                        if _value(r, "perplexity", lang) is not None)
-            if xy:
-                ax.plot([p[0] for p in xy], [p[1] for p in xy], "o", label=lang, alpha=0.8)
+        # Colour: the method's family; marker: the language. Both legends sit outside the axes.
+        fig, ax = plt.subplots(figsize=(7.5, 4.2))
+        families = list(dict.fromkeys(r.get("family") for r in pts))
+        for lang, marker in zip(langs, _MARKERS * (len(langs) // len(_MARKERS) + 1)):
+            for fam in families:
+                xy = [(r["compression_bits"], _value(r, "perplexity", lang)) for r in pts
+                      if r.get("family") == fam and _value(r, "perplexity", lang) is not None]
+                if xy:
+                    ax.scatter([p[0] for p in xy], [p[1] for p in xy], marker=marker, color=_colour(fam),
+                               alpha=0.8, s=28)
         ax.set_xlabel("bits per weight (quantized: codes + scales; pruned: 16 x density; exports: file)")
-        ax.set_ylabel("perplexity")
-        ax.set_yscale("log")
-        ax.set_title("Perplexity against compression level, per language")
-        ax.legend(fontsize=7, ncol=2)
-        out.append(("Perplexity against compression level per language", _fig_png(fig)))
+        ax.set_ylabel("perplexity (log scale)")
+        _log_y(ax, [_value(r, "perplexity", lang) for r in pts for lang in langs])
+        ax.set_title("Perplexity against compression level: colour = family, marker = language", fontsize=9)
+        from matplotlib.lines import Line2D
+
+        fam_handles = [Line2D([], [], linestyle="", marker="o", color=_colour(f), label=_family_label(f))
+                       for f in families]
+        lang_handles = [Line2D([], [], linestyle="", marker=m, color="dimgray", label=lang)
+                        for lang, m in zip(langs, _MARKERS * (len(langs) // len(_MARKERS) + 1))]
+        first = ax.legend(handles=fam_handles, title="family", fontsize=7, title_fontsize=7,
+                          loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        ax.add_artist(first)
+        ax.legend(handles=lang_handles, title="language", fontsize=7, title_fontsize=7, ncol=1 + len(langs) // 9,
+                  loc="lower left", bbox_to_anchor=(1.01, 0.0), borderaxespad=0)
+        out.append(("Perplexity against compression level, by method family and language", _fig_png(fig)))
     tasks = _subsets(rows, "acc")
     if tasks:
         fig, ax = plt.subplots(figsize=(max(6, len(tasks) * 0.9), 4))
         width = 0.8 / max(len(rows), 1)
         for i, r in enumerate(rows):
             ax.bar([t + i * width for t in range(len(tasks))], [_task_acc(r, t) or 0 for t in tasks], width,
-                   label=r["name"])
+                   label=r["name"], color=_row_colour(i % 20))
         ax.set_xticks([t + 0.4 - width / 2 for t in range(len(tasks))], tasks, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("accuracy")
         ax.set_title("Accuracy per task")
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+                  ncol=1 + len(rows) // 24)
         out.append(("Accuracy per task", _fig_png(fig)))
     out += pareto_plots(rows)
     return out
+
+
+def _row_colour(i: int):
+    """One colour per row of the task chart (20 distinct ones, then again)."""
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"](i)
+
+
+# One marker per language (cycled when there are more languages than markers).
+_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "*", "h", "p", "d", "8"]
+
+
+def _log_y(ax, values) -> None:
+    """A log-scale y axis whose ticks read as plain numbers (20, 30, not 2 x 10^1); within a span
+    of less than 20x the in-between ticks are labelled too."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    v = [x for x in values if x is not None and x > 0]
+    ax.yaxis.set_minor_formatter(plain if v and max(v) / min(v) < 20 else NullFormatter())
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+
+
+def _family_label(fam) -> str:
+    return {"base": "base", "quantize": "quantized", "prune": "pruned", "both": "pruned + quantized"}.get(
+        fam, "evaluation")
+
+
+def _colour(fam) -> str:
+    return COLOURS.get(fam, COLOURS[None])
 
 
 # --- the practitioner's view: quality against size and speed, per target ---------------------------
@@ -361,8 +410,12 @@ def _axes(rows, target):
 
 
 def _point_name(r) -> str:
+    """A row's short name in a plot or a winner's cell: its method and export in a study; what was
+    evaluated and in which runtime for a plain evaluation (a store without studies)."""
+    if "method" not in r["labels"]:
+        return f"{r['labels'].get('model')} ({r['runtime']})"
     fmt = r["labels"].get("format")
-    name = str(r["labels"].get("method", r["name"]))
+    name = str(r["labels"]["method"])
     if fmt not in (None, "none"):
         name += f" ({r['labels'].get('export') or fmt})"
     if (r.get("export") or {}).get("codes") == "requantized":
@@ -383,22 +436,33 @@ def pareto_plots(rows) -> list[tuple[str, bytes]]:
                 data = [(r, xval(r), qval(r)) for r in subset if xval(r) and qval(r) is not None]
                 if not data:
                     continue
-                fig, ax = plt.subplots(figsize=(6.5, 4))
+                fig, ax = plt.subplots(figsize=(7.5, 4))
                 for fam in dict.fromkeys(r.get("family") for r, _, _ in data):
                     pts = [(x, y) for r, x, y in data if r.get("family") == fam]
-                    ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=COLOURS.get(fam, "tab:gray"),
-                               label=fam or "evaluation")
-                for r, x, y in data:
-                    ax.annotate(_point_name(r), (x, y), fontsize=6)
-                front = _pareto([(x, y) for _, x, y in data], x_low, q_low)
-                ax.plot([p[0] for p in front], [p[1] for p in front], "r--", linewidth=1, label="Pareto front")
+                    ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=_colour(fam),
+                               label=_family_label(fam))
+                xs = [x for _, x, _ in data]
+                for r, x, y in data:  # a name to the left of points in the right third: it stays inside
+                    right = len(data) > 1 and x > min(xs) + 2 * (max(xs) - min(xs)) / 3
+                    ax.annotate(_point_name(r), (x, y), fontsize=6, xytext=(-4 if right else 4, 3),
+                                textcoords="offset points", ha="right" if right else "left")
+                # A front needs points to trade off: none from one point; one point that beats all the
+                # others is ringed, not drawn as a line.
+                front = _pareto([(x, y) for _, x, y in data], x_low, q_low) if len(data) > 1 else []
+                if len(front) > 1:
+                    ax.plot([p[0] for p in front], [p[1] for p in front], "r--", linewidth=1, label="Pareto front")
+                elif front:
+                    ax.scatter([front[0][0]], [front[0][1]], s=160, facecolors="none", edgecolors="red",
+                               label="beats every other point")
                 ax.set_xlabel(xlabel)
-                ax.set_ylabel(qlabel + (" (lower is better)" if q_low else " (higher is better)"))
+                ax.set_ylabel(textwrap.fill(qlabel + (" (lower is better)" if q_low else " (higher is better)"), 36),
+                              fontsize=9)
+                ax.margins(x=0.08, y=0.1)
                 if qkey == "ppl":
-                    ax.set_yscale("log")
+                    _log_y(ax, [y for _, _, y in data])
                 ax.set_title(f"{qlabel} against {xlabel.split(' (')[0]} — {target}" + (" (EMULATED)" if emulated else ""),
                              fontsize=9)
-                ax.legend(fontsize=7)
+                ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
                 out.append((f"Pareto front on {target}: {qlabel} against {xlabel}", _fig_png(fig)))
     return out
 
@@ -701,8 +765,8 @@ def render_md(rows, title: str, out_path: Path, left: int = 0, overwrite: bool =
                     (tmp / name).write_bytes(png)
                 (tmp / FIG_MANIFEST).write_text(json.dumps({"files": names, "report": Path(out_path).name,
                                                             "version": __version__}) + "\n", encoding="utf-8")
-        except OSError as exc:
-            raise _write_error(figdir, exc) from exc
+        except (OSError, SlmedgeError) as exc:
+            raise _write_error(figdir, exc, sum(len(png) for _, png in figs)) from exc
         for name, (caption, _) in zip(names, figs):
             parts += [f"## {caption}\n", f"![{caption}]({figdir.name}/{name})", ""]
     return "\n".join(parts)
@@ -730,12 +794,12 @@ def check_output(out: Path, overwrite: bool, inputs=()) -> None:
         raise OutputExistsError(f"output {out} is a directory; give a file name for the report")
     refuse_replacing(out, overwrite, None, inputs)
     if out.exists() or out.is_symlink():
-        if not overwrite:
-            raise OutputExistsError(f"output {out} exists; pass --overwrite to replace it (only a report slmedge "
-                                    "wrote is replaced)")
+        # --overwrite is advised only where it would then work: never over a file that is not a report.
         if out.is_symlink() or not out.is_file() or not is_report(out):
             raise OutputExistsError(f"output {out} is not a report slmedge wrote; --overwrite only replaces "
                                     "slmedge's own reports: choose another output")
+        if not overwrite:
+            raise OutputExistsError(f"output {out} exists; pass --overwrite to replace it")
 
 
 def _check_figdir(figdir: Path, overwrite: bool) -> None:
@@ -753,11 +817,14 @@ def _check_figdir(figdir: Path, overwrite: bool) -> None:
                                 "choose another output")
 
 
-def _write_error(path: Path, exc: OSError) -> SlmedgeError:
-    from ..fsutil import disk_full
+def _write_error(path: Path, exc: OSError, needed: int | None = None) -> SlmedgeError:
+    from ..errors import DiskFullError
+    from ..fsutil import disk_full, no_space
 
+    if isinstance(exc, DiskFullError):
+        return exc
     if disk_full(exc):
-        return SlmedgeError(f"no space left on the device while writing {path}; nothing was written")
+        return no_space(path, needed)
     return SlmedgeError(f"cannot write {path}: {exc.strerror or type(exc).__name__}")
 
 
@@ -782,6 +849,6 @@ def write_report(store, out: Path, fmt: str = "html", study: str | None = None, 
     check_output(out, overwrite, inputs=(store.path,))  # again: something may have appeared meanwhile
     try:
         write_text_atomic(out, text)
-    except OSError as exc:  # named by the output, never by the temporary file beside it
-        raise _write_error(out, exc) from exc
+    except (OSError, SlmedgeError) as exc:  # named by the output, never by the temporary file beside it
+        raise _write_error(out, exc, len(text.encode("utf-8"))) from exc
     return {"rows": len(rows), "path": str(out), "left_out": left}

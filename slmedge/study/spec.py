@@ -40,6 +40,10 @@
     type = "auto"
     [[exports]]            # each method's natural files (DEPLOYABLE below): GGUF and ONNX with
     format = "deployable"  # the codes kept for quantized rows; dense f16 / 8-bit for pruned ones
+    [[exports]]            # llama.cpp's quantizer weighted by an importance matrix of the row's model
+    format = "gguf"        # on [calibration]'s windows (on the base row: llama-imatrix's baseline)
+    type = "iq4_xs"
+    imatrix = true
 
 Validated strictly before any work starts: an unknown key, a wrong type or an impossible
 combination is an error that names the file and the line.
@@ -64,10 +68,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..limits import check_plain_name
 
 _TOP = {"name": str, "description": str, "models": list, "seeds": list, "targets": list, "calibration": dict,
         "evaluate": dict, "methods": list, "exports": list, "workdir": str}
-_EXPORT = {"format": str, "type": str, "label": str}
+_EXPORT = {"format": str, "type": str, "label": str, "imatrix": bool}
 
 # Recipe fields the study sets for every method at once: [calibration] key -> Recipe field.
 CALIBRATION_FIELDS = {"dataset": "calibration", "nsamples": "nsamples", "seqlen": "seqlen", "batch_size": "batch_size"}
@@ -180,6 +185,10 @@ class ExportSpec:
     label: str
     format: str  # none | deployable | a registered export format (gguf, onnx, ...)
     type: str = "auto"
+    # GGUF: llama.cpp's quantizer weighted by an importance matrix slmedge computes on the study's
+    # [calibration] windows for the row's own model (`slmedge imatrix`): for the base rows, what
+    # `llama-imatrix` + `llama-quantize --imatrix` give a llama.cpp user for free.
+    imatrix: bool = False
 
 
 # format = "deployable": each method's natural files, by its family (study/levels.py). Quantized
@@ -302,6 +311,13 @@ def load_study(path) -> Study:
     seeds = data.get("seeds", [0])
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds) or not seeds:
         _fail(file, lines, ("seeds",), f"'seeds' must be a list of integers, got {seeds!r}")
+    for s in seeds:
+        _limit(file, lines, ("seeds",), "seed", s, "a seed")
+    study_name = data.get("name") or file.stem
+    try:  # the default workdir is <cache>/studies/<name>: a name is never a path
+        check_plain_name(study_name, "the study's name" if "name" in data else f"the study's name (its file's, {file.name})")
+    except ConfigError as exc:
+        _fail(file, lines, ("name",), str(exc) + ("" if "name" in data else '; give it a name = "..."'))
     kinds = table_kinds()
     calib = data.get("calibration", {})
     _check_types(calib, kinds["calibration"], file, lines, ("calibration",))
@@ -361,6 +377,8 @@ def load_study(path) -> Study:
             except (ConfigError, TypeError, ValueError) as exc:
                 _fail(file, lines, where, f"[[methods]] {name}: {exc}")
             settings = rec
+        if "label" in m:
+            _plain(file, lines, (*where, "label"), m["label"], "the label")
         label = m.get("label") or _auto_label(name, settings)
         if label in labels:
             _fail(file, lines, where, f"two methods share the label '{label}'; give one a label = \"...\"")
@@ -371,6 +389,8 @@ def load_study(path) -> Study:
     for i, e in enumerate(data.get("exports", [{"format": "none"}])):
         where = ("exports", i)
         _check_types(e, _EXPORT, file, lines, where)
+        if "label" in e:
+            _plain(file, lines, (*where, "label"), e["label"], "the label")
         fmt = e.get("format", "none")
         if fmt not in ("none", "deployable") and fmt not in FORMATS:
             _fail(file, lines, (*where, "format"), f"unknown format '{fmt}' (none, deployable, {', '.join(FORMATS)})")
@@ -386,7 +406,12 @@ def load_study(path) -> Study:
             if qtype != "auto" and qtype not in known.types:
                 _fail(file, lines, (*where, "type"),
                       f"unknown {known.label} type '{qtype}' (auto, {', '.join(known.types)})")
-        exports.append(ExportSpec(e.get("label") or (fmt if fmt == "none" else f"{fmt}-{qtype}"), fmt, qtype))
+        imatrix = bool(e.get("imatrix", False))
+        if imatrix and (fmt != "gguf" or qtype in ("auto", "f16", "f32")):
+            _fail(file, lines, (*where, "imatrix"), "imatrix = true weights llama.cpp's quantizer: it needs format = "
+                  "\"gguf\" and a type llama.cpp quantizes (q4_k_m, iq4_xs, q4_0, ...), not auto, f16 or f32")
+        label = e.get("label") or (fmt if fmt == "none" else f"{fmt}-{qtype}" + ("-imatrix" if imatrix else ""))
+        exports.append(ExportSpec(label, fmt, qtype, imatrix))
 
     for t in targets:
         prof = get_profile(t)
@@ -401,7 +426,8 @@ def load_study(path) -> Study:
             settings.validate()
         except (ConfigError, TypeError) as exc:
             _fail(file, lines, (table,), f"[{table}]: {exc}")
-    return Study(name=data.get("name") or file.stem, path=file, models=list(data["models"]), seeds=list(seeds),
+    _check_bounds(data["models"], methods, exports, targets, ev, per_target, file, lines)
+    return Study(name=study_name, path=file, models=list(data["models"]), seeds=list(seeds),
                  targets=list(targets), calibration=calib, evaluate=ev, methods=methods, exports=exports,
                  description=data.get("description", ""), workdir=data.get("workdir", ""), per_target=per_target,
                  same_as={t: v for t, v in same_as.items() if t in targets})
@@ -436,12 +462,66 @@ def _same_as(t: str, carry: dict, ev: dict, per_target: dict, targets: list, fil
         _fail(file, lines, (*where, "metrics"), f"[evaluate.{t}] takes {', '.join(missing)} from {other}, "
               f"which does not measure it (add it to [evaluate] or [evaluate.{other}])")
     out = {"target": other, **SAME_AS_DEFAULTS, **{k: v for k, v in carry.items() if k != "same_as"}}
-    if isinstance(out["probe_tokens"], bool) or not 16 <= out["probe_tokens"] <= 4096:
-        _fail(file, lines, (*where, "probe_tokens"), f"probe_tokens must be 16..4096, got {out['probe_tokens']}")
-    tol = out["probe_tolerance"]
-    if isinstance(tol, bool) or not (tol >= 0 and tol < float("inf")):
-        _fail(file, lines, (*where, "probe_tolerance"), f"probe_tolerance must be a finite number >= 0 (nats), got {tol}")
+    for key in ("probe_tokens", "probe_tolerance"):
+        _limit(file, lines, (*where, key), key, out[key], key)
     return out
+
+
+def _limit(file: Path, lines: _Lines, path: tuple, key: str, value, name: str) -> None:
+    """``value`` in the range slmedge/limits.py declares for ``key``, or an error naming the line."""
+    from ..limits import check
+
+    try:
+        check(key, value, name)
+    except ConfigError as exc:
+        _fail(file, lines, path, str(exc))
+
+
+def _plain(file: Path, lines: _Lines, path: tuple, value, what: str) -> None:
+    try:
+        check_plain_name(value, what)
+    except ConfigError as exc:
+        _fail(file, lines, path, str(exc))
+
+
+def _check_bounds(models, methods, exports, targets, ev: dict, per_target: dict, file: Path, lines: _Lines) -> None:
+    """What each model bounds the study's settings by, before anything runs (``slmedge.limits``): its
+    positions (the calibration windows; each target's perplexity window, context and latency run),
+    and the memory each compression's calibration and each target's evaluation allocate."""
+    from ..compress.api import check_compress_bounds
+    from ..compress.recipe import Recipe
+    from ..evaluate.api import EvalSettings
+    from ..evaluate.bounds import check_evaluation_bounds
+    from ..export.formats import get_format
+    from ..runtimes.registry import RUNTIMES
+    from ..targets.profiles import get_profile
+
+    # the runtimes the evaluations run in: the source's (None: as the target decides) and each export's
+    formats = {f for e in exports for f in ([fmt for fmt, _ in DEPLOYABLE["quantize"] + DEPLOYABLE["prune"]]
+                                              if e.format == "deployable" else [e.format]) if f != "none"}
+    runtimes = [None] + sorted({next((n for n, s in RUNTIMES.items() if s.export_format == f), None)
+                                for f in formats if get_format(f)} - {None})
+
+    for model in models:
+        for m in methods:
+            if m.is_base:
+                continue
+            try:
+                check_compress_bounds(model, Recipe(method=m.method, **m.settings), option="seqlen")
+            except ConfigError as exc:
+                _fail(file, lines, ("calibration",), f"model {model}, [[methods]] {m.label}: {exc}")
+        for t in targets:
+            table = f"evaluate.{t}" if t in per_target else "evaluate"
+            settings = EvalSettings(**{k: tuple(v) if isinstance(v, list) else v
+                                       for k, v in {**ev, **per_target.get(t, {})}.items()}, target=t)
+            profile = get_profile(t, detect=False)
+            for runtime in runtimes:
+                if runtime is not None and runtime not in profile.runtimes:
+                    continue
+                try:
+                    check_evaluation_bounds(model, dataclasses.replace(settings, runtime=runtime), profile)
+                except ConfigError as exc:
+                    _fail(file, lines, (table,), f"[{table}] on model {model}: {exc}")
 
 
 def _check_models(models: list, file: Path, lines: _Lines) -> None:

@@ -83,6 +83,27 @@ _SSH_TYPES = {"host": str, "user": str, "port": int, "key": str, "known_hosts": 
               "connect_timeout_s": (int, float), "command_timeout_s": (int, float)}
 
 
+# The numbers a profile may set -> their range in slmedge/limits.py (the key there). A number left
+# out is "not known": detected on a detecting profile, no roofline projection otherwise; one given
+# must be finite, positive and below its ceiling (a nan or 1e308 bandwidth gave "nan" and "inf"
+# tokens/s projections).
+_LIMITS = {"cores": "cores", "threads": "profile_threads", "ram_gb": "ram_gb",
+           "memory_bandwidth_gbs": "memory_bandwidth_gbs", "peak_fp32_gflops": "peak_fp32_gflops",
+           "peak_int8_gops": "peak_int8_gops", "gpu_layers": "gpu_layers"}
+_SSH_LIMITS = {"port": "port", "connect_timeout_s": "connect_timeout_s", "command_timeout_s": "command_timeout_s"}
+
+
+def _check_ranges(table: dict, keys: dict, where: str) -> None:
+    from ..limits import check
+
+    for key, limit in keys.items():
+        if key in table:
+            try:
+                check(limit, table[key], key)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+
+
 def _check(table: dict, types: dict, where: str) -> None:
     for key, value in table.items():
         if key not in types:
@@ -111,11 +132,12 @@ def parse_profile(path: Path) -> Profile:
     ssh = data.pop("ssh", None)
     if ssh is not None:
         _check(ssh, _SSH_TYPES, f"{where} [ssh]")
+        _check_ranges(ssh, _SSH_LIMITS, f"{where} [ssh]")
         data["ssh"] = SshSettings(**ssh)
+    _check_ranges(data, _LIMITS, where)
+    if data.get("threads") and data.get("cores") and data["threads"] > data["cores"]:
+        raise ConfigError(f"{where}: threads = {data['threads']} is more than its cores = {data['cores']}")
     transport_class(data["transport"]).check_profile(data, where)
-    for key in ("cores", "threads", "ram_gb", "memory_bandwidth_gbs", "peak_fp32_gflops", "peak_int8_gops"):
-        if data.get(key, 0) < 0:
-            raise ConfigError(f"{where}: '{key}' must not be negative")
     prof = Profile(**data, file=str(path))
     if prof.threads == 0:
         prof.threads = prof.cores

@@ -104,6 +104,21 @@ class Transport:
     def detect(self) -> None:
         """Fill a ``detect = true`` profile from the machine it describes (cores, RAM, bandwidth)."""
 
+    @classmethod
+    def memory_available(cls, profile: Profile) -> int | None:
+        """The bytes a run on this target may allocate now: this machine's (its runtimes, a runner
+        or qemu run here); None where it is not known."""
+        from ..fsutil import memory_available
+
+        return memory_available()
+
+    @classmethod
+    def cpu_count(cls, profile: Profile) -> int | None:
+        """The cores a run's threads share on this target: this machine's (emulated threads run on them too)."""
+        from ..limits import usable_cpus
+
+        return usable_cpus()
+
     def is_set_up(self) -> bool:
         """Whether the environment ``setup`` builds is there and current."""
         raise self._no_setup()
@@ -252,8 +267,49 @@ def _safe(value: str, what: str) -> str:
     return value
 
 
+# Dot-folders under the home that are shared program data (XDG's), where a dedicated folder of the
+# runner's may go (the default is .cache/slmedge-runner); every other dot-folder is some program's
+# own (.ssh, .gnupg, .config...) and never the runner's.
+_SHARED_DOT_FOLDERS = (".cache", ".local")
+
+
+def check_workdir(value: str, where: str = "") -> str:
+    """An ssh target's ``workdir`` must be a folder of slmedge's own, where the runner copies models
+    and replaces files: under the user's home (a relative path, or ``~/...``) or under ``/tmp``; never
+    ``/``, the home itself, ``/tmp`` itself, another user's home (``~root``), a path with ``..``, nor
+    a dot-folder (``.ssh``) or anything inside one but the shared ``.cache`` and ``.local``."""
+    prefix = f"{where}: " if where else ""
+    text = value.strip()
+    parts = [p for p in text.split("/") if p not in ("", ".")]
+
+    def refuse(why: str):
+        raise ConfigError(f"{prefix}[ssh] workdir {value!r} {why}: give a folder of its own under the remote "
+                          "home (such as .cache/slmedge-runner) or under /tmp (such as /tmp/slmedge-runner)")
+
+    if text.startswith("~") and not (text == "~" or text.startswith("~/")):
+        refuse("is in another user's home")
+    if text.startswith("~"):
+        parts = parts[1:]
+    elif text.startswith("/"):
+        if parts[:1] != ["tmp"]:
+            refuse("is outside the remote home and /tmp")
+        parts = parts[1:]
+    if ".." in parts:
+        refuse("goes up with '..'")
+    if not parts:
+        refuse("is not a folder of its own")
+    dots = [p for p in parts if p.startswith(".")]
+    if parts[-1].startswith(".") or any(p not in _SHARED_DOT_FOLDERS for p in dots) or \
+            (not text.startswith("/") and len(parts) == 1 and parts[0] in _SHARED_DOT_FOLDERS):
+        refuse("is (or is inside) a dot-folder another program keeps")
+    return value
+
+
 @register_transport("ssh")
 class SshTransport(Transport):
+    """A device over ssh: the runner and the model file are copied to ``[ssh] workdir`` (unless the
+    same bytes are there) and serve requests over the ssh connection; keys only, host keys checked."""
+
     @classmethod
     def check_profile(cls, data, where):
         if data.get("ssh") is None:
@@ -267,7 +323,20 @@ class SshTransport(Transport):
                     _safe(value, what)
                 except ConfigError as exc:
                     raise ConfigError(f"{where}: {exc}") from None
+        workdir = ssh.get("workdir") if isinstance(ssh, dict) else getattr(ssh, "workdir", None)
+        if workdir is not None:
+            check_workdir(workdir, where)
         super().check_profile(data, where)
+
+    @classmethod
+    def memory_available(cls, profile: Profile) -> int | None:
+        """The device's RAM from its profile, less the tenth the runtime, Python and the OS keep (as
+        ``session.check_fits``); None where the profile does not say."""
+        return int(0.9 * profile.ram_gb * (1 << 30)) if profile.ram_gb else None
+
+    @classmethod
+    def cpu_count(cls, profile: Profile) -> int | None:
+        return profile.cores or None
 
     def __init__(self, profile: Profile):
         super().__init__(profile)
@@ -281,6 +350,7 @@ class SshTransport(Transport):
             _safe(s.user, "ssh user")
         _safe(s.python, "remote python")
         _safe(s.workdir, "remote workdir")
+        check_workdir(s.workdir)
         self.timeout = s.command_timeout_s
 
     @property
@@ -331,7 +401,9 @@ class SshTransport(Transport):
         return TargetError(f"{self.where}: ssh failed: {text}")
 
     def _remote(self, name: str) -> str:
-        return f"{self.s.workdir.rstrip('/')}/{name}"
+        # Remote commands run in the home folder and their words are quoted (a "~" would not expand):
+        # "~/x" is the relative "x".
+        return f"{self.s.workdir.removeprefix('~/').rstrip('/')}/{name}"
 
     def _ensure(self, local: Path, name: str) -> str:
         """Copy ``local`` to the work folder unless the same bytes are there (checked by sha256)."""

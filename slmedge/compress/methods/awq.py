@@ -444,7 +444,7 @@ class _Rows:
     input of the calibration set. Copied one by one, each small copy was carved out of the heap
     space a batch's activations had just freed, so the next batch's activations needed fresh
     space: the resident size grew by about one down_proj input per batch all the same (glibc's
-    heap, below its mmap threshold; measured, see docs/benchmarks.md). One buffer for all
+    heap, below its mmap threshold; measured, see docs/development/notebook.md). One buffer for all
     batches, allocated at the first, leaves nothing between them. The values are the same rows, so
     the results are the same bits.
     """

@@ -50,6 +50,11 @@ class HessianStats:
         # permutation), by setting: linears sharing these statistics (q/k/v) compute it once.
         self.plans: dict = {}
 
+    @staticmethod
+    def bytes_for(columns: int) -> int:
+        """Memory of the statistics of a ``columns``-wide input: H, and the factor derived from it."""
+        return 2 * 4 * columns * columns
+
     def add_batch(self, inp: torch.Tensor) -> None:
         x = inp.reshape(-1, inp.shape[-1]).float()  # (tokens, in)
         tmp = x.shape[0]
@@ -105,6 +110,10 @@ class InputNormStats:
     def __init__(self, columns: int, device):
         self.scaler_row = torch.zeros(columns, device=device, dtype=torch.float32)
         self.nsamples = 0
+
+    @staticmethod
+    def bytes_for(columns: int) -> int:
+        return 4 * columns
 
     def add_batch(self, inp: torch.Tensor) -> None:
         x = inp.reshape(-1, inp.shape[-1]).float()

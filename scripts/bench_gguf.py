@@ -1,0 +1,303 @@
+#!/usr/bin/env python
+"""Benchmark: slmedge's GGUF files against `llama-imatrix` + `llama-quantize` on the same calibration text.
+
+What a llama.cpp user gets for free, measured side by side with what slmedge writes, per model:
+
+1. llama.cpp's tools, built from the llama.cpp source vendored in the installed llama-cpp-python's
+   sdist (``llama-imatrix``, ``llama-quantize``; cached under ``--tools``, a few minutes once).
+2. The base: ``slmedge export MODEL --format gguf --type f16``.
+3. The calibration text: the windows ``slmedge compress`` samples (C4, ``--nsamples`` x ``--seqlen``
+   tokens, seed 0), decoded and written one after the other; ``llama-imatrix -c SEQLEN --chunks
+   NSAMPLES`` re-tokenizes them (the token count it saw is printed).
+4. Importance matrices: llama.cpp's (``llama-imatrix`` on the f16 base) and slmedge's
+   (``slmedge imatrix`` on the model, the same windows).
+5. Files: llama.cpp's ``llama-quantize --imatrix`` of the base to each ``--types`` (Q3_K_M IQ4_XS Q4_0
+   Q4_1 Q4_K_M Q5_K_M Q6_K) and Q4_0 without one; the same types by ``llama-quantize`` with slmedge's
+   matrix (llama.cpp reading slmedge's file: the interoperability check) and by ``slmedge export
+   --imatrix`` (slmedge's own path to llama.cpp's quantizer); slmedge's calibrated methods with their
+   codes kept (``--methods``: RTN/GPTQ W4 g32 sym -> Q4_0, AWQ/RTN W4 g32 asym -> Q4_1).
+6. Every file scored by ``slmedge evaluate`` in llama.cpp: mean KL and top-1 against the base model
+   in torch (``--fidelity-windows`` x 512 WikiText-2 tokens), perplexity in the shipped languages
+   and WikiText-2 (geometric mean), decode tokens/s (``--latency``).
+
+The table is printed (markdown) and written with every number to ``WORK/MODEL/results.json``.
+Caveat printed with it: the embedded models' only weights are a Q4_1 GGUF (SmolLM2) and a Q4_K_M one
+(Gemma 3): a quantizer that lands on those grids looks better than it would on a 16-bit model.
+
+Runs one step after another (never two timed things at once). Resumable: a file or score already
+in WORK is reused when its inputs are unchanged (each step's inputs are in its ``.json`` beside it).
+
+    .venv/bin/python scripts/bench_gguf.py                       # both embedded models, all rows
+    .venv/bin/python scripts/bench_gguf.py --models smollm2-135m --nsamples 32 --methods none
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TYPES = ("Q3_K_M", "IQ4_XS", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K")
+METHODS = {  # label -> (compress options, export type)
+    "rtn-sym": (["--method", "rtn", "--bits", "4", "--group-size", "32", "--sym"], "q4_0"),
+    "gptq-sym": (["--method", "gptq", "--bits", "4", "--group-size", "32", "--sym"], "q4_0"),
+    "awq-asym": (["--method", "awq", "--bits", "4", "--group-size", "32", "--asym"], "q4_1"),
+    "rtn-asym": (["--method", "rtn", "--bits", "4", "--group-size", "32", "--asym"], "q4_1"),
+}
+CAVEAT = {"smollm2-135m": "Q4_1", "gemma3-270m": "Q4_K_M"}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(cmd: list, what: str, log_file: Path | None = None, env=None) -> None:
+    log(f"{what}: {' '.join(str(c) for c in cmd)}")
+    started = time.perf_counter()
+    with open(log_file, "w") if log_file else open(os.devnull, "w") as out:
+        rc = subprocess.run([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0:
+        raise SystemExit(f"error: {what} failed (exit {rc}){f'; see {log_file}' if log_file else ''}")
+    log(f"{what}: {time.perf_counter() - started:.1f} s")
+
+
+def slmedge(*args) -> list:
+    return [sys.executable, "-m", "slmedge", *map(str, args)]
+
+
+# --- llama.cpp's tools -------------------------------------------------------------------------
+
+
+def build_tools(root: Path, jobs: int) -> dict[str, Path]:
+    """llama-imatrix and llama-quantize from the installed llama-cpp-python's own sdist."""
+    import importlib.metadata as md
+
+    version = md.version("llama-cpp-python")
+    home = root / version
+    tools = {t: home / "build" / "bin" / t for t in ("llama-imatrix", "llama-quantize")}
+    if all(p.is_file() for p in tools.values()):
+        return tools
+    src = home / "src"
+    if not (src / "ok").is_file():
+        shutil.rmtree(src, ignore_errors=True)
+        src.mkdir(parents=True)
+        run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", src,
+             f"llama-cpp-python=={version}"], f"llama-cpp-python {version} sdist")
+        with tarfile.open(next(src.glob("llama_cpp_python-*.tar.gz"))) as tar:
+            tar.extractall(src, filter="data")
+        (src / "ok").touch()
+    vendor = next(src.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    build = home / "build"
+    run(["cmake", "-S", vendor, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
+         "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+         "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"], "cmake configure",
+        home / "configure.log")
+    run(["cmake", "--build", build, "--target", "llama-imatrix", "llama-quantize", "-j", str(jobs)],
+        "build llama-imatrix, llama-quantize (minutes, once)", home / "build.log")
+    return tools
+
+
+# --- steps, each reused while its inputs are unchanged -----------------------------------------
+
+
+def fresh(out: Path, inputs: dict) -> bool:
+    stamp = out.with_name(out.name + ".inputs.json")
+    return out.exists() and stamp.is_file() and json.loads(stamp.read_text()) == inputs
+
+
+def stamp(out: Path, inputs: dict) -> None:
+    out.with_name(out.name + ".inputs.json").write_text(json.dumps(inputs, sort_keys=True))
+
+
+def digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def calibration_text(model: str, out: Path, nsamples: int, seqlen: int) -> int:
+    """The windows slmedge compress samples, decoded one after the other; returns their token count."""
+    from slmedge.data.calibration import load_calibration
+    from slmedge.models.source import load
+
+    loaded = load(model)
+    calib = load_calibration("c4", loaded.tokenizer, nsamples, seqlen, 0)
+    text = "".join(loaded.tokenizer.decode(row, skip_special_tokens=True) for row in calib.tokens.tolist())
+    out.write_text(text, encoding="utf-8")
+    return int(calib.tokens.numel())
+
+
+def compare_imatrices(ours: Path, theirs: Path) -> dict:
+    """How slmedge's importance matrix agrees with llama-imatrix's on the same windows: per tensor the
+    relative difference of the per-column means (median over columns), then its median and maximum
+    over tensors, and the Pearson correlation of the log means."""
+    import numpy as np
+
+    from slmedge.export.imatrix import read_imatrix
+
+    a, _ = read_imatrix(ours)
+    b, _ = read_imatrix(theirs)
+    common = sorted(set(a) & set(b))
+    rel, corr = [], []
+    for name in common:
+        x, y = a[name].astype(np.float64), b[name].astype(np.float64)
+        rel.append(float(np.median(np.abs(x - y) / np.maximum(np.abs(y), 1e-12))))
+        corr.append(float(np.corrcoef(np.log(x + 1e-12), np.log(y + 1e-12))[0, 1]))
+    return {"ours": len(a), "theirs": len(b), "common": len(common),
+            "median_rel_diff": float(np.median(rel)) if rel else None, "max_rel_diff": max(rel) if rel else None,
+            "min_log_corr": min(corr) if corr else None}
+
+
+def tokens_seen(log_file: Path) -> str:
+    """llama-imatrix's own account of the text it was given (its log's tokenizing/chunk lines)."""
+    lines = [ln.split(" I ", 1)[-1].strip() for ln in log_file.read_text(errors="replace").splitlines()
+             if "computing over" in ln or "tokenization took" in ln]
+    return "; ".join(lines)
+
+
+def score(file: Path, model: str, work: Path, args) -> dict:
+    out = file.with_name(file.name + ".score.json")
+    inputs = {"file": digest(file), "reference": model, "fidelity_windows": args.fidelity_windows,
+              "ppl_windows": args.ppl_windows, "latency": args.latency, "threads": args.threads}
+    if fresh(out, inputs):
+        return json.loads(out.read_text())
+    from slmedge.evaluate.api import EvalSettings, evaluate
+
+    log(f"score {file.name}")
+    started = time.perf_counter()
+    metrics = ("fidelity", "perplexity") + (("latency",) if args.latency else ())
+    res = evaluate(str(file), EvalSettings(metrics=metrics, reference=model, fidelity_windows=args.fidelity_windows,
+                                           ppl_windows=args.ppl_windows, pp=128, tg=32, repeats=2,
+                                           threads=args.threads),
+                   json_path=file.with_name(file.name + ".eval.json"))
+    log(f"score {file.name}: {time.perf_counter() - started:.1f} s")
+    m = res["metrics"]
+    fid = m.get("fidelity") or {}
+    ppl = {k: v["perplexity"] for k, v in (m.get("perplexity") or {}).items() if isinstance(v, dict) and "perplexity" in v}
+    row = {"bytes": file.stat().st_size, "mean_kl": fid.get("kl_mean"), "top1": fid.get("top1_agreement"),
+           "ppl": ppl, "ppl_geomean": math.exp(sum(math.log(v) for v in ppl.values()) / len(ppl)) if ppl else None,
+           "decode_tps": ((m.get("latency") or {}).get("decode_tps") or {}).get("median")}
+    out.write_text(json.dumps(row, indent=2))
+    stamp(out, inputs)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--types", nargs="+", default=list(TYPES))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), help=f"{', '.join(METHODS)}, or none")
+    ap.add_argument("--nsamples", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--ppl-windows", type=int, default=4)
+    ap.add_argument("--fidelity-windows", type=int, default=4)
+    ap.add_argument("--latency", action="store_true", help="also decode tokens/s (llama.cpp, 128 + 32 tokens)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--work", type=Path, default=ROOT / ".bench" / "gguf")
+    ap.add_argument("--tools", type=Path, default=ROOT / ".bench" / "llama-tools")
+    args = ap.parse_args()
+    methods = [m for m in args.methods if m != "none"]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"error: --methods: unknown {unknown[0]}; choose from {', '.join(METHODS)} or none")
+    tools = build_tools(args.tools, args.threads)
+    summary = {}
+    for model in args.models:
+        work = args.work / model
+        (work / "logs").mkdir(parents=True, exist_ok=True)
+        files: dict[str, tuple[str, Path]] = {}  # row label -> (producer, file)
+        base = work / "base-f16.gguf"
+        if not base.is_file():
+            run(slmedge("export", model, "--format", "gguf", "--type", "f16", "-o", base, "--overwrite"),
+                "base f16 GGUF", work / "logs" / "base.log")
+        calib = work / "calibration.txt"
+        cal_inputs = {"model": model, "nsamples": args.nsamples, "seqlen": args.seqlen}
+        if not fresh(calib, cal_inputs):
+            calibration_text(model, calib, args.nsamples, args.seqlen)
+            stamp(calib, cal_inputs)
+        llama_imx = work / "llama.imatrix.gguf"
+        if not fresh(llama_imx, {"base": digest(base), **cal_inputs}):
+            run([tools["llama-imatrix"], "-m", base, "-f", calib, "-o", llama_imx, "-c", args.seqlen, "--chunks",
+                 args.nsamples, "-t", args.threads, "--no-ppl"], "llama-imatrix", work / "logs" / "llama-imatrix.log")
+            stamp(llama_imx, {"base": digest(base), **cal_inputs})
+        ours_imx = work / "slmedge.imatrix.gguf"
+        if not fresh(ours_imx, cal_inputs):
+            run(slmedge("imatrix", model, "-o", ours_imx, "--nsamples", args.nsamples, "--seqlen", args.seqlen,
+                        "--overwrite"), "slmedge imatrix", work / "logs" / "slmedge-imatrix.log")
+            stamp(ours_imx, cal_inputs)
+        agreement = compare_imatrices(ours_imx, llama_imx)
+        log(f"importance matrices: {json.dumps(agreement)}; llama-imatrix: "
+            f"{tokens_seen(work / 'logs' / 'llama-imatrix.log') if (work / 'logs' / 'llama-imatrix.log').is_file() else '?'}")
+        quantized = [("Q4_0", None)] + [(t, "llama") for t in args.types] + [(t, "slmedge") for t in args.types]
+        for qtype, matrix in quantized:
+            label = f"{qtype} " + {None: "no imatrix", "llama": "llama-imatrix", "slmedge": "slmedge imatrix"}[matrix]
+            out = work / f"llama-{qtype.lower()}-{matrix or 'plain'}.gguf"
+            inputs = {"base": digest(base), "type": qtype, "imatrix": digest(llama_imx if matrix == "llama" else
+                                                                             ours_imx) if matrix else None}
+            if not fresh(out, inputs):
+                cmd = [tools["llama-quantize"]] + (["--imatrix", llama_imx if matrix == "llama" else ours_imx]
+                                                   if matrix else []) + [base, out, qtype, args.threads]
+                run(cmd, f"llama-quantize {label}", work / "logs" / f"{out.name}.log")
+                stamp(out, inputs)
+            files[label] = ("llama.cpp", out)
+        for qtype in args.types:  # slmedge's own path to llama.cpp's quantizer, with its own matrix
+            out = work / f"slmedge-{qtype.lower()}-imatrix.gguf"
+            inputs = {"model": model, "type": qtype, "imatrix": digest(ours_imx)}
+            if not fresh(out, inputs):
+                run(slmedge("export", model, "--format", "gguf", "--type", qtype.lower(), "--imatrix", ours_imx, "-o",
+                            out, "--overwrite", "--no-verify"), f"slmedge export {qtype} --imatrix",
+                    work / "logs" / f"{out.name}.log")
+                stamp(out, inputs)
+            files[f"{qtype} slmedge export --imatrix"] = ("slmedge", out)
+        for label in methods:
+            opts, qtype = METHODS[label]
+            art = work / f"artifact-{label}"
+            out = work / f"slmedge-{label}-{qtype}.gguf"
+            inputs = {"model": model, "opts": opts, "nsamples": args.nsamples, "seqlen": args.seqlen, "type": qtype}
+            if not fresh(out, inputs):
+                run(slmedge("compress", model, *opts, "--nsamples", args.nsamples, "--seqlen", args.seqlen, "-o", art,
+                            "--overwrite"), f"compress {label}", work / "logs" / f"compress-{label}.log")
+                run(slmedge("export", art, "--format", "gguf", "--type", qtype, "--exact", "-o", out, "--overwrite",
+                            "--no-verify"), f"export {label} {qtype}", work / "logs" / f"{out.name}.log")
+                shutil.rmtree(art, ignore_errors=True)
+                stamp(out, inputs)
+            files[f"{qtype.upper()} {label} g32, codes kept"] = ("slmedge", out)
+        rows = {}
+        for label, (producer, file) in files.items():
+            rows[label] = {"producer": producer, "file": file.name, **score(file, model, work, args)}
+        (work / "results.json").write_text(json.dumps({"model": model, "args": {k: str(v) for k, v in vars(args).items()},
+                                                       "imatrix_agreement": agreement, "rows": rows}, indent=2))
+        summary[model] = rows
+        print_table(model, rows)
+    return 0
+
+
+def print_table(model: str, rows: dict) -> None:
+    caveat = CAVEAT.get(model)
+    print(f"\n### {model}\n")
+    print("| file | producer | MB | mean KL | top-1 | perplexity (geo. mean) | decode tok/s |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for label, r in sorted(rows.items(), key=lambda kv: (kv[1]["bytes"], kv[0])):
+        mark = " (caveat)" if caveat and label.upper().startswith(caveat) else ""
+        tps = f"{r['decode_tps']:.1f}" if r.get("decode_tps") else "-"
+        print(f"| {label}{mark} | {r['producer']} | {r['bytes'] / 1e6:.1f} | {r['mean_kl']:.4f} | {r['top1']:.1%} | "
+              f"{r['ppl_geomean']:.2f} | {tps} |")
+    if caveat:
+        print(f"\nCaveat: {model}'s only weights are a {caveat} GGUF; rows of that grid land back on it.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
