@@ -275,7 +275,10 @@ def test_each_grid_reaches_gguf_bit_for_bit_and_llamacpp_agrees_with_torch(model
     """Every grid on a wide model (its 256-wide rows in K-quant / IQ4_XS blocks, the 288-wide down
     projection in llama.cpp's fallback) and the super-block grids on a narrow one (every row falls back):
     the codes reach the file bit for bit, the export's check of llama.cpp's logits against torch's passes,
-    and the types are the very ones llama.cpp's own quantizer picks for the same tensors."""
+    and the types are the very ones llama.cpp's own quantizer picks for the same tensors. The tensors
+    without codes stay F16 (keep_f16_uncoded), so the check measures the codes alone: llama.cpp's rules
+    would put the untied token embeddings of Mistral and Phi-3 in the grid's type by plain rounding, which
+    alone moves a tiny random model's logits by a mean KL of ~7e-2."""
     src = (wide_models if wide else tiny_models)(model_type)
     f32 = tmp_path / "f32.gguf"
     export_gguf(src, f32, qtype="f32", verify=False)
@@ -283,7 +286,7 @@ def test_each_grid_reaches_gguf_bit_for_bit_and_llamacpp_agrees_with_torch(model
         recipe = small_recipe(calib_file, method="rtn", grid=name, importance=wide)
         art = compress(str(src), recipe, tmp_path / name, device="cpu").artifact
         assert Artifact.open(art).version == 3
-        report = export_gguf(art, tmp_path / f"{name}.gguf")
+        report = export_gguf(art, tmp_path / f"{name}.gguf", keep_f16_uncoded=True)
         assert report["exact"] and report["codes_kept"] == len(Artifact.open(art).layers()), name
         assert report["verification"]["mean_kl"] < gx.TOLERANCES["kept"]["mean_kl"]
         types = _check_gguf_holds_the_artifact(tmp_path / f"{name}.gguf", art, report)
