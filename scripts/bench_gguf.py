@@ -49,12 +49,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 TYPES = ("Q3_K_M", "IQ4_XS", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K")
-METHODS = {  # label -> (compress options, export type)
+METHODS = {  # label -> (compress options, export type); "auto": each linear in its own grid's type
     "rtn-sym": (["--method", "rtn", "--bits", "4", "--group-size", "32", "--sym"], "q4_0"),
     "gptq-sym": (["--method", "gptq", "--bits", "4", "--group-size", "32", "--sym"], "q4_0"),
     "awq-asym": (["--method", "awq", "--bits", "4", "--group-size", "32", "--asym"], "q4_1"),
     "rtn-asym": (["--method", "rtn", "--bits", "4", "--group-size", "32", "--asym"], "q4_1"),
+    # On llama.cpp's grids (--grid), each block's scale searched by importance; --bpw mixes them.
+    **{f"{m}-{g}": (["--method", m, "--grid", g], "auto")
+       for m in ("rtn", "gptq", "awq") for g in ("q3_k", "iq4_xs", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")},
+    **{f"{m}-bpw{b}": (["--method", m, "--bpw", b], "auto") for m in ("gptq", "awq") for b in ("4.0", "4.5", "5.0")},
 }
+DEFAULT_METHODS = ("gptq-sym", "awq-asym", "rtn-q4_0", "gptq-q3_k", "gptq-iq4_xs", "awq-iq4_xs", "gptq-q4_0",
+                   "awq-q4_1", "gptq-q4_k", "awq-q4_k", "gptq-q5_k", "gptq-q6_k")
 CAVEAT = {"smollm2-135m": "Q4_1", "gemma3-270m": "Q4_K_M"}
 
 
@@ -199,7 +205,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--types", nargs="+", default=list(TYPES))
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), help=f"{', '.join(METHODS)}, or none")
+    ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help=f"{', '.join(METHODS)}, or none")
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--ppl-windows", type=int, default=4)
@@ -274,7 +280,8 @@ def main() -> int:
                             "--no-verify"), f"export {label} {qtype}", work / "logs" / f"{out.name}.log")
                 shutil.rmtree(art, ignore_errors=True)
                 stamp(out, inputs)
-            files[f"{qtype.upper()} {label} g32, codes kept"] = ("slmedge", out)
+            files[f"{qtype.upper()} {label} g32, codes kept" if qtype != "auto" else f"{label}, codes kept"] = \
+                ("slmedge", out)
         rows = {}
         for label, (producer, file) in files.items():
             rows[label] = {"producer": producer, "file": file.name, **score(file, model, work, args)}
