@@ -52,7 +52,7 @@ def export_command(
     source: Optional[str] = typer.Argument(None, help="An slmedge artifact, HF folder, .gguf file, Hub id or embedded name (default smollm2-135m)."),
     fmt: str = typer.Option("gguf", "--format", "-f", help="gguf (llama.cpp), onnx (onnxruntime), onnxruntime-genai (an ONNX folder with genai_config.json) "
                              "or compressed-tensors (transformers, vLLM: an artifact's codes, pack-quantized)."),
-    qtype: str = typer.Option("auto", "--type", "-t", help="GGUF: auto, f32, f16, q8_0, q4_0, q4_1 (codes kept), q5_0, q5_1, q2_k, q3_k_m, iq4_nl, iq4_xs, q4_k_s, q4_k_m, q5_k_m, q6_k (llama.cpp's quantizer). ONNX: auto, fp32, fp16, int4, int8, int8-dynamic. auto: the type that keeps the artifact's codes."),
+    qtype: str = typer.Option("auto", "--type", "-t", help="GGUF: auto, f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, iq4_xs, q3_k, q4_k, q5_k, q6_k, q4_k_s, q4_k_m, q5_k_m, q3_k_m, q2_k (an artifact's codes are kept where the type's grid holds them: q8_0, q4_0, q4_1 for the uniform grid; the type of its own llama.cpp grid for --grid; the rest by llama.cpp's quantizer). ONNX: auto, fp32, fp16, int4, int8, int8-dynamic. auto: the type that keeps the artifact's codes."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="GGUF file or ONNX directory (default slmedge-out/<source>-<type>)."),
     exact: bool = typer.Option(False, "--exact", help="Fail instead of re-quantizing weights whose codes the type cannot hold."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Run the file in its runtime on a probe and compare with torch."),
