@@ -87,6 +87,8 @@ LIMITS: dict[str, Limit] = {
     "bits": Limit(2, 8, "the code grids of GGUF and ONNX hold 2- to 8-bit codes", span=True),
     "group_size": Limit(1, 1 << 16, "no layer of a model slmedge runs is wider than 65,536 columns; a group "
                         "wider than a layer is one group per row (-1)", special=(-1,), special_means="per channel"),
+    "bpw": Limit(3.4375, 8.5, "bits per weight of llama.cpp's grids as GGUF stores them: Q3_K, the smallest "
+                 "slmedge writes codes in, 3.4375; Q8_0, the largest, 8.5", integer=False),
     "nsamples": Limit(1, 1 << 16, "GPTQ and AWQ calibrate on 128 samples (llm-compressor: 512): the statistics "
                       "do not change past a few thousand, and the activations of each sample are held for a "
                       "whole block"),

@@ -208,6 +208,13 @@ def test_gptq_onto_a_grid_keeps_its_scales_and_beats_rounding_on_the_layers_outp
 # --- llama.cpp's fallback -----------------------------------------------------------------------------
 
 
+def test_the_declared_bpw_range_is_that_of_the_grids():
+    from slmedge.limits import LIMITS
+
+    sizes = [g.bits_per_weight for g in GRIDS.values()]
+    assert (LIMITS["bpw"].lo, LIMITS["bpw"].hi) == (min(sizes), max(sizes))
+
+
 def test_fallbacks_are_llamacpps():
     assert {n: g.fallback for n, g in GRIDS.items() if g.fallback} == {
         "iq4_xs": "iq4_nl", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}

@@ -86,7 +86,7 @@ GRID_HELP = ("Quantize onto one of llama.cpp's grids instead of the uniform one 
 
 @bounded(bits="bits", group_size="group_size", nsamples="nsamples", seqlen="seqlen", seed="seed",
          batch_size="batch_size", damp="damp", block_size="block_size", awq_grid="awq_grid",
-         awq_max_tokens="awq_max_tokens")
+         awq_max_tokens="awq_max_tokens", bpw="bpw")
 def compress_command(
     model: Optional[str] = typer.Argument(None, help="HF id, local HF folder, .gguf file, or an embedded name (smollm2-135m, gemma3-270m). Default: smollm2-135m."),
     method: str = typer.Option("awq", "--method", "-m", help=METHOD_HELP),

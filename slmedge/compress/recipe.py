@@ -165,10 +165,7 @@ class Recipe:
                 raise ConfigError("give a grid or a bits-per-weight budget (bpw), not both: a budget picks each "
                                   "linear's grid")
         if self.bpw is not None:
-            lo, hi = min(g.bits_per_weight for g in GRIDS.values()), max(g.bits_per_weight for g in GRIDS.values())
-            if isinstance(self.bpw, bool) or not isinstance(self.bpw, (int, float)) or not lo <= self.bpw <= hi:
-                raise ConfigError(f"bpw must be a number from {lo} to {hi} (bits per weight of llama.cpp's grids), "
-                                  f"got {self.bpw!r}")
+            limits.check("bpw", self.bpw)  # the range of llama.cpp's grids (tests/test_grids.py holds them equal)
         if self.importance is not None and not isinstance(self.importance, bool):
             raise ConfigError(f"importance must be true or false, got {self.importance!r}")
         if self.importance and not self.on_grid:
