@@ -244,10 +244,16 @@ def search_sym(x: torch.Tensor, wt: torch.Tensor, nmax: int, clip=None, fp16: bo
         finalists.offer(sxx - 2 * scale * sumlx + scale * scale * suml2, scale)
     plain = maxv / -nmax
     candidates = [plain.half().float() if fp16 else plain] + [finalists.vals[i, 0] for i in range(finalists.vals.shape[0])]
+    return _best_of(candidates, lambda scale: _sym_error(x, wt, scale, nmax), amax, dead)
+
+
+def _best_of(candidates, error, amax, dead):
+    """Per block, the candidate scale with the least weighted error (``error(scale)`` -> (error,
+    curvature)), the first on ties; 0 for all-zero blocks. Returns (scale, curvature)."""
     best_err = torch.full_like(amax, float("inf"))
     best, best_curv = torch.zeros_like(amax), torch.zeros_like(amax)
     for scale in candidates:
-        err, curv = _sym_error(x, wt, scale, nmax)
+        err, curv = error(scale)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, scale, best)
@@ -374,20 +380,14 @@ def search_table(x: torch.Tensor, wt: torch.Tensor, T: torch.Tensor, clip=None, 
     for k in (range(-ntry, ntry + 1, 3) if quick else range(-ntry, ntry + 1)):
         offer((k + t0) / maxv)
     candidates = [d0.half().float() if fp16 else d0] + [finalists.vals[i, 0] for i in range(finalists.vals.shape[0])]
-    best_err = torch.full_like(amax, float("inf"))
-    best, best_curv = torch.zeros_like(amax), torch.zeros_like(amax)
-    for scale in candidates:
+
+    def error(scale):
         safe = torch.where(scale == 0, torch.ones_like(scale), scale)[:, None]
         q = T[torch.bucketize(x / safe, mids)]
         diff = x - scale[:, None] * q
-        err = (wt * diff * diff).sum(dim=1)
-        curv = (wt * q * q).sum(dim=1)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best = torch.where(better, scale, best)
-        best_curv = torch.where(better, curv, best_curv)
-    best = torch.where(dead, torch.zeros_like(best), best)
-    return best, best_curv
+        return (wt * diff * diff).sum(dim=1), (wt * q * q).sum(dim=1)
+
+    return _best_of(candidates, error, amax, dead)
 
 
 def make_qp(x: torch.Tensor, nmax: int, qw: torch.Tensor):
