@@ -6,8 +6,8 @@ What a llama.cpp user gets for free, measured side by side with what slmedge wri
 1. llama.cpp's tools, built from the llama.cpp source vendored in the installed llama-cpp-python's
    sdist (``llama-imatrix``, ``llama-quantize``; cached under ``--tools``, a few minutes once).
 2. The base: ``slmedge export MODEL --format gguf --type f16``.
-3. The calibration text: the windows ``slmedge compress`` samples (C4, ``--nsamples`` x ``--seqlen``
-   tokens, seed 0), decoded and written one after the other; ``llama-imatrix -c SEQLEN --chunks
+3. The calibration text: the windows ``slmedge compress`` samples (``--calibration``, slmedge's default
+   unless given; ``--nsamples`` x ``--seqlen`` tokens, seed 0), decoded and written one after the other; ``llama-imatrix -c SEQLEN --chunks
    NSAMPLES`` re-tokenizes them (the token count it saw is printed).
 4. Importance matrices: llama.cpp's (``llama-imatrix`` on the f16 base) and slmedge's
    (``slmedge imatrix`` on the model, the same windows).
@@ -134,13 +134,13 @@ def digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def calibration_text(model: str, out: Path, nsamples: int, seqlen: int) -> int:
+def calibration_text(model: str, out: Path, spec: str, nsamples: int, seqlen: int) -> int:
     """The windows slmedge compress samples, decoded one after the other; returns their token count."""
     from slmedge.data.calibration import load_calibration
     from slmedge.models.source import load
 
     loaded = load(model)
-    calib = load_calibration("c4", loaded.tokenizer, nsamples, seqlen, 0)
+    calib = load_calibration(spec, loaded.tokenizer, nsamples, seqlen, 0)
     text = "".join(loaded.tokenizer.decode(row, skip_special_tokens=True) for row in calib.tokens.tolist())
     out.write_text(text, encoding="utf-8")
     return int(calib.tokens.numel())
@@ -206,6 +206,7 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--types", nargs="+", default=list(TYPES))
     ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help=f"{', '.join(METHODS)}, or none")
+    ap.add_argument("--calibration", default=None, help="calibration spec for both tools (default: slmedge's)")
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--ppl-windows", type=int, default=4)
@@ -219,6 +220,15 @@ def main() -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"error: --methods: unknown {unknown[0]}; choose from {', '.join(METHODS)} or none")
+    from slmedge.compress.recipe import Recipe
+    from slmedge.data.calibration import calibration_sources
+    from slmedge.errors import DataError
+
+    args.calibration = args.calibration or Recipe.calibration
+    try:
+        calibration_sources(args.calibration)  # an unknown name or a missing file: its message, before any work
+    except DataError as exc:
+        raise SystemExit(f"error: --calibration: {exc}") from None
     tools = build_tools(args.tools, args.threads)
     summary = {}
     for model in args.models:
@@ -230,9 +240,9 @@ def main() -> int:
             run(slmedge("export", model, "--format", "gguf", "--type", "f16", "-o", base, "--overwrite"),
                 "base f16 GGUF", work / "logs" / "base.log")
         calib = work / "calibration.txt"
-        cal_inputs = {"model": model, "nsamples": args.nsamples, "seqlen": args.seqlen}
+        cal_inputs = {"model": model, "calibration": args.calibration, "nsamples": args.nsamples, "seqlen": args.seqlen}
         if not fresh(calib, cal_inputs):
-            calibration_text(model, calib, args.nsamples, args.seqlen)
+            calibration_text(model, calib, args.calibration, args.nsamples, args.seqlen)
             stamp(calib, cal_inputs)
         llama_imx = work / "llama.imatrix.gguf"
         if not fresh(llama_imx, {"base": digest(base), **cal_inputs}):
@@ -241,8 +251,8 @@ def main() -> int:
             stamp(llama_imx, {"base": digest(base), **cal_inputs})
         ours_imx = work / "slmedge.imatrix.gguf"
         if not fresh(ours_imx, cal_inputs):
-            run(slmedge("imatrix", model, "-o", ours_imx, "--nsamples", args.nsamples, "--seqlen", args.seqlen,
-                        "--overwrite"), "slmedge imatrix", work / "logs" / "slmedge-imatrix.log")
+            run(slmedge("imatrix", model, "-o", ours_imx, "--calibration", args.calibration, "--nsamples",
+                        args.nsamples, "--seqlen", args.seqlen, "--overwrite"), "slmedge imatrix", work / "logs" / "slmedge-imatrix.log")
             stamp(ours_imx, cal_inputs)
         agreement = compare_imatrices(ours_imx, llama_imx)
         log(f"importance matrices: {json.dumps(agreement)}; llama-imatrix: "
@@ -272,10 +282,11 @@ def main() -> int:
             opts, qtype = METHODS[label]
             art = work / f"artifact-{label}"
             out = work / f"slmedge-{label}-{qtype}.gguf"
-            inputs = {"model": model, "opts": opts, "nsamples": args.nsamples, "seqlen": args.seqlen, "type": qtype}
+            inputs = {"model": model, "opts": opts, "calibration": args.calibration, "nsamples": args.nsamples,
+                      "seqlen": args.seqlen, "type": qtype}
             if not fresh(out, inputs):
-                run(slmedge("compress", model, *opts, "--nsamples", args.nsamples, "--seqlen", args.seqlen, "-o", art,
-                            "--overwrite"), f"compress {label}", work / "logs" / f"compress-{label}.log")
+                run(slmedge("compress", model, *opts, "--calibration", args.calibration, "--nsamples", args.nsamples,
+                            "--seqlen", args.seqlen, "-o", art, "--overwrite"), f"compress {label}", work / "logs" / f"compress-{label}.log")
                 run(slmedge("export", art, "--format", "gguf", "--type", qtype, "--exact", "-o", out, "--overwrite",
                             "--no-verify"), f"export {label} {qtype}", work / "logs" / f"{out.name}.log")
                 shutil.rmtree(art, ignore_errors=True)

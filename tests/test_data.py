@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from slmedge.data.calibration import load_calibration
+from slmedge.data.calibration import load_calibration, read_sources, token_stream
 from slmedge.errors import DataError
 from slmedge.evaluate.corpora import load_corpus
 from slmedge.evaluate.perplexity import perplexity
@@ -48,6 +48,57 @@ def test_shared_calibration_sets(tok):
     assert len(de.identity["files"]) == 2
     with pytest.raises(DataError, match="no multilingual calibration text for xx"):
         load_calibration("multilingual:xx", tok, 4, 64)
+
+
+def _within(row: list[int], ids: list[int]) -> bool:
+    n = len(row)
+    return any(ids[i : i + n] == row for i in range(len(ids) - n + 1))
+
+
+def test_a_single_stream_is_sampled_uniformly_by_the_seed(tok):
+    # c4 (one stream): window starts drawn by random.Random(seed) over the whole stream, in order.
+    import random
+
+    (texts,), = read_sources("c4")[0]
+    ids = token_stream(tok, texts)
+    rng = random.Random(3)
+    expected = [ids[s : s + 32] for s in (rng.randrange(0, len(ids) - 32 + 1) for _ in range(5))]
+    assert load_calibration("c4", tok, 5, 32, seed=3).tokens.tolist() == expected
+
+
+def test_a_mix_and_the_languages_take_equal_turns(tok, tmp_path):
+    # Hindi has many more tokens than German here, yet each language gets half of the windows; in a
+    # mix, the parts alternate window by window (so AWQ's first windows already hold every part).
+    groups, _ = read_sources("multilingual:de,hi")
+    de, hi = (token_stream(tok, texts) for texts in groups[0])
+    assert len(hi) > 1.5 * len(de)
+    rows = load_calibration("multilingual:de,hi", tok, 8, 24, seed=0).tokens.tolist()
+    assert [_within(r, de) for r in rows] == [True, False] * 4 and all(_within(r, hi) for r in rows[1::2])
+
+    own = tmp_path / "own+notes.txt"  # a file whose name has a + is a file, not a mix
+    own.write_text("\n".join(f"line {i} of my own calibration text, about sensors and phones" for i in range(200)))
+    assert load_calibration(str(own), tok, 2, 16).identity["files"] == {str(own.resolve()): load_calibration(
+        str(own), tok, 1, 16).identity["files"][str(own.resolve())]}
+    mix = load_calibration(f"c4+multilingual:de,zh+{own}", tok, 7, 16, seed=1)
+    (c4,), (de2, zh), (mine,) = ([token_stream(tok, t) for t in g] for g in read_sources(f"c4+multilingual:de,zh+{own}")[0])
+    rows = mix.tokens.tolist()
+    assert [_within(r, s) for r, s in zip(rows, [c4, de2, mine, c4, zh, mine, c4])] == [True] * 7
+    assert set(mix.identity["files"]) == {"calibration/c4_en.jsonl", "calibration/multilingual/de.txt",
+                                          "calibration/multilingual/zh.txt", str(own.resolve())}
+    assert not torch.equal(mix.tokens, load_calibration(f"multilingual:de,zh+c4+{own}", tok, 7, 16, seed=1).tokens)
+
+
+def test_a_bad_mix_names_its_part(tok):
+    from slmedge.errors import UnknownDataError
+
+    with pytest.raises(UnknownDataError, match="empty part"):
+        load_calibration("c4+", tok, 2, 16)
+    with pytest.raises(UnknownDataError, match="'nope' not found"):
+        load_calibration("c4+nope", tok, 2, 16)
+    with pytest.raises(DataError, match="no multilingual calibration text for xx"):
+        load_calibration("c4+multilingual:xx", tok, 2, 16)
+    with pytest.raises(DataError, match="calibration file /no/such.txt does not exist"):
+        load_calibration("c4+/no/such.txt", tok, 2, 16)
 
 
 def test_data_dir_option_and_environment(tmp_path, monkeypatch, tok):
@@ -96,3 +147,28 @@ def test_named_corpora():
     assert len(load_corpus("de").splitlines()) == 1997
     with pytest.raises(DataError, match="unknown corpus"):
         load_corpus("klingon")
+
+
+def test_a_study_identifies_a_mix_by_every_file_it_reads():
+    from slmedge.study.inputs import calibration_inputs
+
+    inputs = calibration_inputs("c4+multilingual:de,fr")
+    assert set(inputs) == {"calibration/c4_en.jsonl", "calibration/multilingual/de.txt", "calibration/multilingual/fr.txt"}
+    assert inputs["calibration/c4_en.jsonl"] == calibration_inputs("c4")["calibration/c4_en.jsonl"]
+
+
+def test_the_default_calibration_holds_c4_and_every_shipped_language(tok):
+    # The default (measured in scripts/bench_calibration.py): C4 in every other window, and each
+    # shipped multilingual language in turn in the others; compress, imatrix and run all use it.
+    from slmedge.compress.recipe import Recipe
+    from slmedge.data import DEFAULT_CALIBRATION
+    from slmedge.data.files import data_files
+
+    assert Recipe().calibration == DEFAULT_CALIBRATION
+    langs = data_files().names("calibration/multilingual", ".txt")
+    groups, origin = read_sources(DEFAULT_CALIBRATION)
+    streams = [[token_stream(tok, texts) for texts in group] for group in groups]
+    assert [len(g) for g in streams] == [1, len(langs)] and len(origin["files"]) == 1 + len(langs)
+    rows = load_calibration(DEFAULT_CALIBRATION, tok, 2 * len(langs), 16).tokens.tolist()
+    assert all(_within(r, streams[0][0]) for r in rows[0::2])
+    assert all(_within(r, ids) for r, ids in zip(rows[1::2], streams[1]))

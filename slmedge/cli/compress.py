@@ -11,6 +11,7 @@ import typer
 from ..compress.api import compress
 from ..compress.methods import METHODS
 from ..compress.recipe import DEFAULT_SKIP, Recipe
+from ..data import DEFAULT_CALIBRATION
 from ..models.grids import GRIDS
 from .common import Table, bounded, check_model, check_output_dir, console, errors_to_exit, progress_bar
 from .data import DATA_DIR_HELP
@@ -97,7 +98,7 @@ def compress_command(
     bpw: Optional[float] = typer.Option(None, "--bpw", help="Mix llama.cpp's grids to this many bits per weight of the compressed linears (codes and scales as GGUF stores them), each linear's grid from measured sensitivity; lands within 1% below it."),
     importance: Optional[bool] = typer.Option(None, "--importance/--no-importance", help="On a llama.cpp grid: weigh each weight by its input channel's mean square over the calibration text when searching scales (default: GPTQ/AWQ/Wanda do, RTN does not; --importance makes RTN calibrate)."),
     sparsity: Optional[str] = typer.Option(None, "--sparsity", "-s", help="Pruning: a ratio in [0, 1) or N:M (N zeros in every M weights), e.g. 0.5 or 2:4."),
-    calibration: str = typer.Option("c4", "--calibration", "-c", help="c4, multilingual[:LANGS], a .txt/.jsonl file, or hf:DATASET[:CONFIG][:SPLIT]."),
+    calibration: str = typer.Option(DEFAULT_CALIBRATION, "--calibration", "-c", help="c4, multilingual[:LANGS], a .txt/.jsonl file, hf:DATASET[:CONFIG][:SPLIT], or several joined by + (a mix: c4+multilingual)."),
     nsamples: int = typer.Option(128, "--nsamples", help="Calibration samples."),
     seqlen: int = typer.Option(512, "--seqlen", help="Tokens per calibration sample."),
     seed: int = typer.Option(0, "--seed", help="Seed for sampling calibration windows; same seed, same artifact."),

@@ -11,6 +11,7 @@ import typer
 
 from .common import (Table, bounded, check_model, check_output_dir, check_output_file, console, err_console,
                      errors_to_exit, progress_bar, supervised)
+from ..data import DEFAULT_CALIBRATION
 from .data import DATA_DIR_HELP
 
 
@@ -205,7 +206,7 @@ def inspect_command(
 def imatrix_command(
     model: Optional[str] = typer.Argument(None, help="HF id, local HF folder, .gguf file, or an embedded name (default smollm2-135m)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="The importance matrix, a .gguf file (default slmedge-out/<model>.imatrix.gguf)."),
-    calibration: str = typer.Option("c4", "--calibration", "-c", help="c4, multilingual[:LANGS], a .txt/.jsonl file, or hf:DATASET[:CONFIG][:SPLIT]."),
+    calibration: str = typer.Option(DEFAULT_CALIBRATION, "--calibration", "-c", help="c4, multilingual[:LANGS], a .txt/.jsonl file, hf:DATASET[:CONFIG][:SPLIT], or several joined by + (a mix: c4+multilingual)."),
     nsamples: int = typer.Option(128, "--nsamples", help="Calibration samples (llama-imatrix's chunks)."),
     seqlen: int = typer.Option(512, "--seqlen", help="Tokens per calibration sample (llama-imatrix's -c)."),
     seed: int = typer.Option(0, "--seed", help="Seed for sampling calibration windows: the same as slmedge compress's with the same settings."),

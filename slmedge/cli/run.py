@@ -33,7 +33,7 @@ def run_command(
     method: str = typer.Option("awq", "--method", "-m", help="Compression method."),
     bits: int = typer.Option(4, "--bits", "-b", help="Bit width."),
     group_size: int = typer.Option(32, "--group-size", "-g", help="Group size (32: one scale per GGUF block, so Q4_1 holds the codes at no extra size)."),
-    nsamples: int = typer.Option(32, "--nsamples", help="Calibration samples (C4)."),
+    nsamples: int = typer.Option(32, "--nsamples", help="Calibration samples (C4 and the multilingual text, half each)."),
     seqlen: int = typer.Option(512, "--seqlen", help="Tokens per calibration sample and per perplexity window."),
     windows: int = typer.Option(1, "--ppl-windows", help="Perplexity windows per language."),
     limit: int = typer.Option(40, "--limit", help="Items per task (six tasks)."),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from .. import limits
 from ..errors import ConfigError
 from ..limits import LIMITS
+from ..data import DEFAULT_CALIBRATION
 from ..models.grids import GRIDS
 from .methods import METHODS, get_method
 from .quant import QuantSpec
@@ -47,7 +48,7 @@ class Recipe:
     # Pruning: a ratio (0.5) or N:M (2:4), given as text or a number; parsed once, on construction.
     sparsity: Sparsity | None = None
     # Calibration.
-    calibration: str = "c4"
+    calibration: str = DEFAULT_CALIBRATION
     nsamples: int = 128
     seqlen: int = 512
     seed: int = 0

@@ -5,11 +5,16 @@ A spec is one of:
 - ``multilingual`` or ``multilingual:de,fr``: the sentences in ``calibration/multilingual``;
 - a ``.jsonl`` file (a ``text`` field per line) or any other text file;
 - ``hf:DATASET[:CONFIG][:SPLIT]``: a Hugging Face dataset with a ``text`` column (needs
-  ``pip install datasets`` and a network).
+  ``pip install datasets`` and a network);
+- several of these joined by ``+`` (``c4+multilingual``): a mix, each part an equal share of the windows.
 
-Sampling: the documents are tokenized in file order and joined by a blank line, and
-``nsamples`` windows of ``seqlen`` tokens start at positions drawn by ``random.Random(seed)``.
-The same spec, seed and tokenizer give the same token ids, byte for byte.
+Sampling: each source's documents are tokenized in file order and joined by a blank line, and
+``nsamples`` windows of ``seqlen`` tokens start at positions drawn by ``random.Random(seed)``. The
+parts of a mix take turns window by window, and within ``multilingual`` the languages take turns:
+every part and language gets an equal share of the windows (±1), whatever its token count (a
+language its tokenizer splits finely would otherwise fill most windows). ``c4``, a file or a Hub
+dataset is one stream, sampled uniformly. The same spec, seed and tokenizer give the same token ids,
+byte for byte.
 """
 
 from __future__ import annotations
@@ -32,10 +37,32 @@ class CalibrationSet:
     identity: dict
 
 
+SPEC_CHOICES = "give c4, multilingual[:LANGS], a .txt/.jsonl file, hf:DATASET, or several joined by +"
+
+
+def spec_parts(spec: str) -> list[str]:
+    """The parts of a mix (``c4+multilingual``); one part for any other spec (a file whose name has
+    a ``+`` in it included)."""
+    if "+" not in spec or Path(spec).expanduser().is_file():
+        return [spec]
+    pieces, parts, i = spec.split("+"), [], 0
+    while i < len(pieces):  # the longest run of pieces that names an existing file is one part
+        j = next((j for j in range(len(pieces), i + 1, -1) if Path("+".join(pieces[i:j])).expanduser().is_file()), i + 1)
+        parts.append("+".join(pieces[i:j]).strip())
+        i = j
+    if any(not part for part in parts):
+        raise UnknownDataError(f"calibration data '{spec}' has an empty part: {SPEC_CHOICES}")
+    return parts
+
+
 def calibration_sources(spec: str, data: str | Path | None = None) -> tuple[str, object]:
     """Where a calibration spec's text comes from, without reading it: ``("hub", dataset)``,
-    ``("file", path)`` for a user file, or ``("data", [relative paths])`` in the data (shipped, or
-    the ``--data-dir`` overlay). An unknown name is a bad setting; a missing file a missing input."""
+    ``("file", path)`` for a user file, ``("data", [relative paths])`` in the data (shipped, or
+    the ``--data-dir`` overlay), or ``("mix", [each part's sources])``. An unknown name is a bad
+    setting; a missing file a missing input."""
+    parts = spec_parts(spec)
+    if len(parts) > 1:
+        return "mix", [calibration_sources(part, data) for part in parts]
     if spec.startswith("hf:"):
         return "hub", spec[3:]
     path = Path(spec).expanduser()
@@ -43,7 +70,7 @@ def calibration_sources(spec: str, data: str | Path | None = None) -> tuple[str,
         return "file", path
     name, _, arg = spec.partition(":")
     if not (name == "c4" and not arg) and name != "multilingual":
-        choices = "give c4, multilingual[:LANGS], a .txt/.jsonl file, or hf:DATASET"
+        choices = SPEC_CHOICES
         if path.exists() or "/" in spec or path.suffix.lower() in (".txt", ".jsonl", ".json"):  # a file: missing input
             what = "is not a file" if path.exists() else "does not exist"
             raise DataError(f"calibration file {spec} {what}; {choices}")
@@ -58,21 +85,37 @@ def calibration_sources(spec: str, data: str | Path | None = None) -> tuple[str,
     return "data", [f"calibration/multilingual/{lang}.txt" for lang in langs]
 
 
+def read_sources(spec: str, data: str | Path | None = None, text_field: str = "text") -> tuple[list[list[list[str]]], dict]:
+    """The documents a spec names, grouped as sampling takes turns over them: one group per part of
+    a mix, and in a group one list of documents per source (a language of ``multilingual``; the
+    whole file otherwise). With where they came from (file hashes; a Hub dataset's identity)."""
+    groups, origin = [], {}
+    for part in spec_parts(spec):
+        kind, where = calibration_sources(part, data)
+        if kind == "hub":
+            texts, hub = _hub_texts(where, text_field)
+            groups.append([texts])
+            origin.setdefault("datasets", []).append(hub)
+        elif kind == "file":
+            groups.append([_file_texts(where, text_field)])
+            origin.setdefault("files", {})[str(where.resolve())] = sha256_file(where)
+        else:
+            files = data_files(data)
+            group = []
+            for rel in where:
+                f = files.path(rel)
+                group.append(_file_texts(f, text_field))
+                origin.setdefault("files", {})[rel] = file_sha256(f)
+            groups.append(group if part.partition(":")[0] == "multilingual" else [sum(group, [])])
+    if len(origin.get("datasets", [])) == 1 and len(groups) == 1:
+        origin = origin["datasets"][0]  # one Hub dataset: its identity (name, config, split, fingerprint)
+    return groups, origin
+
+
 def read_texts(spec: str, data: str | Path | None = None, text_field: str = "text") -> tuple[list[str], dict]:
-    """The documents a spec names, and where they came from (with file hashes)."""
-    kind, where = calibration_sources(spec, data)
-    if kind == "hub":
-        return _hub_texts(where, text_field)
-    if kind == "file":
-        return _file_texts(where, text_field), {"files": {str(where.resolve()): sha256_file(where)}}
-    files = data_files(data)
-    texts: list[str] = []
-    hashes = {}
-    for rel in where:
-        f = files.path(rel)
-        texts.extend(_file_texts(f, text_field))
-        hashes[rel] = file_sha256(f)
-    return texts, {"files": hashes}
+    """The documents a spec names (every source's, in order), and where they came from."""
+    groups, origin = read_sources(spec, data, text_field)
+    return [doc for group in groups for source in group for doc in source], origin
 
 
 def _file_texts(path: Path, text_field: str) -> list[str]:
@@ -127,20 +170,32 @@ def token_stream(tokenizer, texts: list[str], max_tokens: int | None = None) -> 
 def load_calibration(
     spec: str, tokenizer, nsamples: int, seqlen: int, seed: int = 0, data: str | Path | None = None, text_field: str = "text"
 ) -> CalibrationSet:
-    texts, origin = read_texts(spec, data, text_field)
-    ids = token_stream(tokenizer, texts)
-    if len(ids) < seqlen + 1:
-        raise DataError(f"calibration data '{spec}' has {len(ids)} tokens; one sample needs {seqlen}")
+    groups, origin = read_sources(spec, data, text_field)
+    streams = [[token_stream(tokenizer, texts) for texts in group] for group in groups]
+    parts = spec_parts(spec)
+    for part, group in zip(parts, streams):
+        for ids in group:
+            if len(ids) < seqlen + 1:
+                what = f"calibration data '{spec}'" if len(streams) == 1 and len(group) == 1 else (
+                    f"a source of calibration data '{part}'" if len(group) > 1 else f"calibration data '{part}'")
+                raise DataError(f"{what} has {len(ids)} tokens; one sample needs {seqlen}")
     rng = random.Random(seed)
-    starts = [rng.randrange(0, len(ids) - seqlen + 1) for _ in range(nsamples)]
-    tokens = torch.tensor([ids[s : s + seqlen] for s in starts], dtype=torch.long)
+    taken = [0] * len(streams)  # windows each part has had: the parts, and a part's sources, take turns
+    rows = []
+    for i in range(nsamples):
+        g = i % len(streams)
+        ids = streams[g][taken[g] % len(streams[g])]
+        taken[g] += 1
+        start = rng.randrange(0, len(ids) - seqlen + 1)
+        rows.append(ids[start : start + seqlen])
+    tokens = torch.tensor(rows, dtype=torch.long)
     identity = {
         "spec": spec,
         **origin,
         "nsamples": nsamples,
         "seqlen": seqlen,
         "seed": seed,
-        "stream_tokens": len(ids),
+        "stream_tokens": sum(len(ids) for group in streams for ids in group),
         "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
     }
     return CalibrationSet(tokens, identity)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data import DEFAULT_CALIBRATION
 from ..errors import OutputExistsError
 from .errors import GGUFExportError
 
@@ -176,7 +177,7 @@ def check_output(out: Path, overwrite: bool) -> None:
         raise ConfigError(f"-o {out}: llama.cpp's importance-matrix files are GGUF; give a path ending in .gguf")
 
 
-def imatrix_recipe(calibration: str = "c4", nsamples: int = 128, seqlen: int = 512, seed: int = 0,
+def imatrix_recipe(calibration: str = DEFAULT_CALIBRATION, nsamples: int = 128, seqlen: int = 512, seed: int = 0,
                    batch_size: int = 8):
     """The calibration settings as a recipe, validated as a compression's: the same windows (the same
     seed gives the same token ids as ``slmedge compress``), the same bounds."""
@@ -186,7 +187,7 @@ def imatrix_recipe(calibration: str = "c4", nsamples: int = 128, seqlen: int = 5
                   seed=seed, batch_size=batch_size).validate()
 
 
-def make_imatrix(model: str | None = None, output=None, *, calibration: str = "c4", nsamples: int = 128,
+def make_imatrix(model: str | None = None, output=None, *, calibration: str = DEFAULT_CALIBRATION, nsamples: int = 128,
                  seqlen: int = 512, seed: int = 0, batch_size: int = 8, data_dir=None, device: str | None = "auto",
                  overwrite: bool = False, trust_remote_code: bool = False, revision: str | None = None,
                  text_field: str = "text", progress=None) -> dict:

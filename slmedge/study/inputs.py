@@ -234,6 +234,11 @@ def calibration_inputs(spec: str, data_dir=None) -> dict:
     from ..data.files import data_files
 
     kind, where = calibration_sources(spec, data_dir)
+    if kind == "mix":
+        from ..data.calibration import spec_parts
+
+        return {(f"hub:{part}" if k == "hub" else k): v
+                for part in spec_parts(spec) for k, v in calibration_inputs(part, data_dir).items()}
     if kind == "hub":
         return {"hub": spec}  # a Hub dataset: by name (its content is not known before loading it)
     if kind == "file":
