@@ -32,6 +32,10 @@
     [[methods]]
     method = "wanda"
     sparsity = "0.5"
+    [[methods]]            # a sweep of size budgets: one row per bits-per-weight target, each a mix
+    label = "gptq-mix"     # of llama.cpp's grids picked by measured sensitivity (gptq-mix-bpw4, ...)
+    method = "gptq"
+    bpw = [4.0, 4.5, 5.0]
 
     [[exports]]            # each compressed model is evaluated in each export
     format = "none"        # the artifact itself, in torch
@@ -351,10 +355,8 @@ def load_study(path) -> Study:
                   f"themselves {same_as[carry['target']]['target']}'s: name {same_as[carry['target']]['target']}")
 
     methods, labels = [], set()
-    for i, m in enumerate(data["methods"]):
+    for i, m, swept in _swept(data["methods"], file, lines):
         where = ("methods", i)
-        if not isinstance(m, dict):
-            _fail(file, lines, where, "each [[methods]] entry must be a table")
         _check_types(m, kinds["methods"], file, lines, where)
         name = m.get("method")
         if name is None:
@@ -380,6 +382,8 @@ def load_study(path) -> Study:
         if "label" in m:
             _plain(file, lines, (*where, "label"), m["label"], "the label")
         label = m.get("label") or _auto_label(name, settings)
+        if swept and "label" in m:
+            label = f"{label}-bpw{m['bpw']:g}"
         if label in labels:
             _fail(file, lines, where, f"two methods share the label '{label}'; give one a label = \"...\"")
         labels.add(label)
@@ -549,6 +553,26 @@ def _check_models(models: list, file: Path, lines: _Lines) -> None:
                 err = SlmedgeError(msg)
                 err.exit_code = exc.exit_code
             raise err from exc
+
+
+def _swept(entries: list, file: Path, lines: _Lines):
+    """The [[methods]] entries with a budget sweep (``bpw = [4.0, 4.5, 5.0]``) expanded: one entry per
+    budget, in the order given, each labelled ``<label>-bpw<B>`` (or its own automatic label)."""
+    for i, m in enumerate(entries):
+        where = ("methods", i)
+        if not isinstance(m, dict):
+            _fail(file, lines, where, "each [[methods]] entry must be a table")
+        budgets = m.get("bpw")
+        if not isinstance(budgets, list):
+            yield i, m, False
+            continue
+        if not budgets or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in budgets):
+            _fail(file, lines, (*where, "bpw"), f"'bpw' must be a number or a non-empty list of numbers (a sweep of "
+                  f"bits-per-weight budgets), got {budgets!r}")
+        if len(set(budgets)) != len(budgets):
+            _fail(file, lines, (*where, "bpw"), f"'bpw' lists a budget twice: {budgets!r}")
+        for b in budgets:
+            yield i, {**m, "bpw": float(b)}, True
 
 
 def _auto_label(method: str, s: dict) -> str:
