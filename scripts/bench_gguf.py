@@ -19,6 +19,8 @@ What a llama.cpp user gets for free, measured side by side with what slmedge wri
 6. Every file scored by ``slmedge evaluate`` in llama.cpp: mean KL and top-1 against the base model
    in torch (``--fidelity-windows`` x 512 WikiText-2 tokens), perplexity in the shipped languages
    and WikiText-2 (geometric mean), decode tokens/s (``--latency``).
+7. With ``--latency``: decode speed of slmedge's files against llama.cpp's imatrix file of the same block
+   types (IQ4_XS, Q4_0, Q4_1, Q6_K), measured in turns over ``--decode-rounds`` rounds (the ratio).
 
 The table is printed (markdown) and written with every number to ``WORK/MODEL/results.json``.
 Caveat printed with it: the embedded models' only weights are a Q4_1 GGUF (SmolLM2) and a Q4_K_M one
@@ -38,6 +40,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -205,18 +208,25 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--types", nargs="+", default=list(TYPES))
-    ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help=f"{', '.join(METHODS)}, or none")
+    ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help=f"{', '.join(METHODS)}, any "
+                    "METHOD-bpwB (a mix to B bits per weight), or none")
     ap.add_argument("--calibration", default=None, help="calibration spec for both tools (default: slmedge's)")
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--ppl-windows", type=int, default=4)
     ap.add_argument("--fidelity-windows", type=int, default=4)
-    ap.add_argument("--latency", action="store_true", help="also decode tokens/s (llama.cpp, 128 + 32 tokens)")
+    ap.add_argument("--latency", action="store_true", help="also decode tokens/s (llama.cpp, 128 + 32 tokens), and "
+                    "slmedge's files against llama.cpp's of the same block types in turns")
+    ap.add_argument("--decode-rounds", type=int, default=5, help="rounds of the same-type decode comparison")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--work", type=Path, default=ROOT / ".bench" / "gguf")
     ap.add_argument("--tools", type=Path, default=ROOT / ".bench" / "llama-tools")
     args = ap.parse_args()
     methods = [m for m in args.methods if m != "none"]
+    for m in methods:  # any budget: gptq-bpw4.9, awq-bpw5.25, ...
+        found = re.fullmatch(r"(rtn|gptq|awq)-bpw(\d+(?:\.\d+)?)", m)
+        if found and m not in METHODS:
+            METHODS[m] = (["--method", found[1], "--bpw", found[2]], "auto")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"error: --methods: unknown {unknown[0]}; choose from {', '.join(METHODS)} or none")
@@ -300,7 +310,51 @@ def main() -> int:
                                                        "imatrix_agreement": agreement, "rows": rows}, indent=2))
         summary[model] = rows
         print_table(model, rows)
+        if args.latency:
+            speeds = decode_pairs(rows, work, model, args)
+            data = json.loads((work / "results.json").read_text())
+            (work / "results.json").write_text(json.dumps({**data, "decode_pairs": speeds}, indent=2))
     return 0
+
+
+# slmedge's files with their codes kept, and llama.cpp's imatrix file whose every quantized tensor has
+# the same block types (K-quant "_M" recipes mix in Q6_K and differ, so they are not paired).
+SAME_TYPES = {"gptq-iq4_xs": "IQ4_XS", "awq-iq4_xs": "IQ4_XS", "gptq-q4_0": "Q4_0", "awq-q4_1": "Q4_1",
+              "gptq-q6_k": "Q6_K"}
+
+
+def decode_pairs(rows: dict, work: Path, model: str, args) -> dict:
+    """Decode tokens/s of slmedge's file against llama.cpp's file of the same block types, measured in
+    turns (A B A B ...: drift of the machine falls on both), ``--decode-rounds`` rounds of ``slmedge
+    evaluate --metrics latency`` (pp 128, tg 64, 3 repeats); the median per file and the ratio."""
+    from slmedge.evaluate.api import EvalSettings, evaluate
+
+    pairs = [(label, f"{t} llama-imatrix") for label, t in SAME_TYPES.items()
+             if any(k.startswith(f"{label},") for k in rows) and f"{t} llama-imatrix" in rows]
+    if not pairs:
+        return {}
+    settings = EvalSettings(metrics=("latency",), reference=model, pp=128, tg=64, repeats=3, threads=args.threads)
+    out = {}
+    for ours, theirs in pairs:
+        a = work / next(r["file"] for k, r in rows.items() if k.startswith(f"{ours},"))
+        b = work / rows[theirs]["file"]
+        tps = {a.name: [], b.name: []}
+        for _ in range(args.decode_rounds):
+            for f in (a, b):
+                res = evaluate(str(f), settings)
+                tps[f.name].append(res["metrics"]["latency"]["decode_tps"]["median"])
+        med = {k: sorted(v)[len(v) // 2] for k, v in tps.items()}
+        out[ours] = {"slmedge": a.name, "llama.cpp": b.name, "tps": tps, "median": med,
+                     "ratio": med[a.name] / med[b.name]}
+        log(f"decode {ours} vs {theirs}: {med[a.name]:.1f} vs {med[b.name]:.1f} tok/s "
+            f"(ratio {out[ours]['ratio']:.3f}, {args.decode_rounds} rounds in turns)")
+    print(f"\n#### {model}: decode tokens/s, same block types, {args.decode_rounds} rounds in turns\n")
+    print("| slmedge file | llama.cpp file | slmedge tok/s | llama.cpp tok/s | ratio |")
+    print("|---|---|---:|---:|---:|")
+    for ours, r in out.items():
+        print(f"| {ours} | {r['llama.cpp']} | {r['median'][r['slmedge']]:.1f} | {r['median'][r['llama.cpp']]:.1f} | "
+              f"{r['ratio']:.3f} |")
+    return out
 
 
 def print_table(model: str, rows: dict) -> None:
