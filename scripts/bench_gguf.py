@@ -305,7 +305,8 @@ def main() -> int:
                 ("slmedge", out)
         rows = {}
         for label, (producer, file) in files.items():
-            rows[label] = {"producer": producer, "file": file.name, **score(file, model, work, args)}
+            rows[label] = {"producer": producer, "file": file.name, **score(file, model, work, args),
+                           "on_base_grid": on_base_grid(file, model)}
         (work / "results.json").write_text(json.dumps({"model": model, "args": {k: str(v) for k, v in vars(args).items()},
                                                        "imatrix_agreement": agreement, "rows": rows}, indent=2))
         summary[model] = rows
@@ -357,18 +358,38 @@ def decode_pairs(rows: dict, work: Path, model: str, args) -> dict:
     return out
 
 
+def on_base_grid(file: Path, model: str) -> float | None:
+    """The share of the shipped base GGUF's quantized tensors that ``file`` stores in the same block type
+    (None for a model that is no embedded GGUF): where it is high, a row lands back on the grid the base's
+    weights already sit on, and looks better than it would on a 16-bit model (the caveat)."""
+    import gguf
+
+    from slmedge.models.source import embedded_gguf_path
+
+    try:
+        base = {t.name: t.tensor_type for t in gguf.GGUFReader(embedded_gguf_path(model)).tensors}
+    except Exception:
+        return None
+    plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    ours = {t.name: t.tensor_type for t in gguf.GGUFReader(file).tensors}
+    names = [n for n, t in base.items() if t not in plain and n in ours]
+    return sum(ours[n] == base[n] for n in names) / len(names) if names else None
+
+
 def print_table(model: str, rows: dict) -> None:
     caveat = CAVEAT.get(model)
     print(f"\n### {model}\n")
     print("| file | producer | MB | mean KL | top-1 | perplexity (geo. mean) | decode tok/s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for label, r in sorted(rows.items(), key=lambda kv: (kv[1]["bytes"], kv[0])):
-        mark = " (caveat)" if caveat and label.upper().startswith(caveat) else ""
+        share = r.get("on_base_grid")
+        mark = f" (caveat: {share:.0%} on the base's grid)" if share is not None and share >= 0.5 else ""
         tps = f"{r['decode_tps']:.1f}" if r.get("decode_tps") else "-"
         print(f"| {label}{mark} | {r['producer']} | {r['bytes'] / 1e6:.1f} | {r['mean_kl']:.4f} | {r['top1']:.1%} | "
               f"{r['ppl_geomean']:.2f} | {tps} |")
     if caveat:
-        print(f"\nCaveat: {model}'s only weights are a {caveat} GGUF; rows of that grid land back on it.")
+        print(f"\nCaveat: {model}'s only weights are a {caveat} GGUF; rows marked store at least half of its "
+              f"quantized tensors in the base's own block type, so they land back on its grid.")
 
 
 if __name__ == "__main__":
