@@ -60,8 +60,7 @@ METHODS = {  # label -> (compress options, export type); "auto": each linear in 
     # On llama.cpp's grids (--grid), each block's scale searched by importance; --bpw mixes them.
     **{f"{m}-{g}": (["--method", m, "--grid", g], "auto")
        for m in ("rtn", "gptq", "awq") for g in ("q3_k", "iq4_xs", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")},
-    **{f"{m}-bpw{b}": (["--method", m, "--bpw", b], "auto") for m in ("gptq", "awq") for b in ("4.0", "4.5", "5.0")},
-}
+}  # and METHOD-bpwB for any budget B (main() adds the ones asked for)
 DEFAULT_METHODS = ("gptq-sym", "awq-asym", "rtn-q4_0", "gptq-q3_k", "gptq-iq4_xs", "awq-iq4_xs", "gptq-q4_0",
                    "awq-q4_1", "gptq-q4_k", "awq-q4_k", "gptq-q5_k", "gptq-q6_k")
 CAVEAT = {"smollm2-135m": "Q4_1", "gemma3-270m": "Q4_K_M"}
@@ -229,7 +228,7 @@ def main() -> int:
             METHODS[m] = (["--method", found[1], "--bpw", found[2]], "auto")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise SystemExit(f"error: --methods: unknown {unknown[0]}; choose from {', '.join(METHODS)} or none")
+        raise SystemExit(f"error: --methods: unknown {unknown[0]}; choose from {', '.join(METHODS)}, METHOD-bpwB or none")
     from slmedge.compress.recipe import Recipe
     from slmedge.data.calibration import calibration_sources
     from slmedge.errors import DataError
@@ -307,19 +306,17 @@ def main() -> int:
         for label, (producer, file) in files.items():
             rows[label] = {"producer": producer, "file": file.name, **score(file, model, work, args),
                            "on_base_grid": on_base_grid(file, model)}
-        (work / "results.json").write_text(json.dumps({"model": model, "args": {k: str(v) for k, v in vars(args).items()},
-                                                       "imatrix_agreement": agreement, "rows": rows}, indent=2))
         summary[model] = rows
         print_table(model, rows)
-        if args.latency:
-            speeds = decode_pairs(rows, work, model, args)
-            data = json.loads((work / "results.json").read_text())
-            (work / "results.json").write_text(json.dumps({**data, "decode_pairs": speeds}, indent=2))
+        speeds = decode_pairs(rows, work, model, args) if args.latency else {}
+        (work / "results.json").write_text(json.dumps({"model": model, "args": {k: str(v) for k, v in vars(args).items()},
+                                                       "imatrix_agreement": agreement, "rows": rows,
+                                                       "decode_pairs": speeds}, indent=2))
     return 0
 
 
-# slmedge's files with their codes kept, and llama.cpp's imatrix file whose every quantized tensor has
-# the same block types (K-quant "_M" recipes mix in Q6_K and differ, so they are not paired).
+# slmedge's files with their codes kept, and llama.cpp's imatrix file of the same block types (llama.cpp's
+# Q4_0 recipe raises a few ffn_down tensors to Q4_1; its K-quant "_M" recipes mix in Q6_K and are not paired).
 SAME_TYPES = {"gptq-iq4_xs": "IQ4_XS", "awq-iq4_xs": "IQ4_XS", "gptq-q4_0": "Q4_0", "awq-q4_1": "Q4_1",
               "gptq-q6_k": "Q6_K"}
 

@@ -566,7 +566,7 @@ def _swept(entries: list, file: Path, lines: _Lines):
         if not isinstance(budgets, list):
             yield i, m, False
             continue
-        if not budgets or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in budgets):
+        if not budgets or not all(_scalar(float).check(b) for b in budgets):
             _fail(file, lines, (*where, "bpw"), f"'bpw' must be a number or a non-empty list of numbers (a sweep of "
                   f"bits-per-weight budgets), got {budgets!r}")
         if len(set(budgets)) != len(budgets):
