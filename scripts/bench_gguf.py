@@ -217,6 +217,8 @@ def main() -> int:
     ap.add_argument("--latency", action="store_true", help="also decode tokens/s (llama.cpp, 128 + 32 tokens), and "
                     "slmedge's files against llama.cpp's of the same block types in turns")
     ap.add_argument("--decode-rounds", type=int, default=5, help="rounds of the same-type decode comparison")
+    ap.add_argument("--no-interop", dest="interop", action="store_false", help="leave out the rows made with "
+                    "slmedge's importance matrix (llama-quantize reading it, slmedge export --imatrix): the comparison alone")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--work", type=Path, default=ROOT / ".bench" / "gguf")
     ap.add_argument("--tools", type=Path, default=ROOT / ".bench" / "llama-tools")
@@ -266,7 +268,8 @@ def main() -> int:
         agreement = compare_imatrices(ours_imx, llama_imx)
         log(f"importance matrices: {json.dumps(agreement)}; llama-imatrix: "
             f"{tokens_seen(work / 'logs' / 'llama-imatrix.log') if (work / 'logs' / 'llama-imatrix.log').is_file() else '?'}")
-        quantized = [("Q4_0", None)] + [(t, "llama") for t in args.types] + [(t, "slmedge") for t in args.types]
+        quantized = [("Q4_0", None)] + [(t, "llama") for t in args.types] + [(t, "slmedge") for t in args.types
+                                                                             if args.interop]
         for qtype, matrix in quantized:
             label = f"{qtype} " + {None: "no imatrix", "llama": "llama-imatrix", "slmedge": "slmedge imatrix"}[matrix]
             out = work / f"llama-{qtype.lower()}-{matrix or 'plain'}.gguf"
@@ -278,7 +281,7 @@ def main() -> int:
                 run(cmd, f"llama-quantize {label}", work / "logs" / f"{out.name}.log")
                 stamp(out, inputs)
             files[label] = ("llama.cpp", out)
-        for qtype in args.types:  # slmedge's own path to llama.cpp's quantizer, with its own matrix
+        for qtype in args.types if args.interop else ():  # slmedge's own path to llama.cpp's quantizer, its matrix
             out = work / f"slmedge-{qtype.lower()}-imatrix.gguf"
             inputs = {"model": model, "type": qtype, "imatrix": digest(ours_imx)}
             if not fresh(out, inputs):
