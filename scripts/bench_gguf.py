@@ -208,7 +208,7 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--types", nargs="+", default=list(TYPES))
     ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help=f"{', '.join(METHODS)}, any "
-                    "METHOD-bpwB (a mix to B bits per weight), or none")
+                    "METHOD-bpwB (a mix to B bits per weight), METHOD-bpwB-G1+G2+... (a mix of those grids only), or none")
     ap.add_argument("--calibration", default=None, help="calibration spec for both tools (default: slmedge's)")
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
@@ -224,13 +224,14 @@ def main() -> int:
     ap.add_argument("--tools", type=Path, default=ROOT / ".bench" / "llama-tools")
     args = ap.parse_args()
     methods = [m for m in args.methods if m != "none"]
-    for m in methods:  # any budget: gptq-bpw4.9, awq-bpw5.25, ...
-        found = re.fullmatch(r"(rtn|gptq|awq)-bpw(\d+(?:\.\d+)?)", m)
+    for m in methods:  # any budget: gptq-bpw4.9, awq-bpw5.25, gptq-bpw4.9-q4_k+q5_k+q6_k (only those grids)
+        found = re.fullmatch(r"(rtn|gptq|awq)-bpw(\d+(?:\.\d+)?)(?:-([a-z0-9_]+(?:\+[a-z0-9_]+)*))?", m)
         if found and m not in METHODS:
-            METHODS[m] = (["--method", found[1], "--bpw", found[2]], "auto")
+            METHODS[m] = (["--method", found[1], "--bpw", found[2]] +
+                          (["--bpw-grids", found[3].replace("+", ",")] if found[3] else []), "auto")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise SystemExit(f"error: --methods: unknown {unknown[0]}; choose from {', '.join(METHODS)}, METHOD-bpwB or none")
+        raise SystemExit(f"error: --methods: unknown {unknown[0]}; choose from {', '.join(METHODS)}, METHOD-bpwB[-G1+G2...] or none")
     from slmedge.compress.recipe import Recipe
     from slmedge.data.calibration import calibration_sources
     from slmedge.errors import DataError

@@ -443,3 +443,60 @@ def test_the_allocation_picks_by_sensitivity_and_refuses_what_no_mix_reaches(tin
                               "-o", str(tmp_path / "out"), "--nsamples", "4", "--seqlen", "32"])
     one_line_error(res, "bpw 4 is below what llama.cpp's grids can reach")  # 64-wide rows: 4.5 at least
     assert res.exit_code == 2 and not (tmp_path / "out").exists()
+
+
+def test_a_budget_keeps_to_the_grids_it_is_given(wide_models, calib_file, tmp_path):
+    # K-quants only: 256-wide inputs take Q4_K or Q6_K, the 288-wide down projection llama.cpp's
+    # fallbacks for them (Q5_0, Q8_0); never the other grids, and still within 1% of the budget.
+    src, allowed = wide_models("llama"), ("q4_k", "q6_k")
+    recipe = small_recipe(calib_file, method="rtn", bpw=5.6, bpw_grids=list(allowed))
+    out = compress(str(src), recipe, tmp_path / "art", device="cpu")
+    got = out.summary["bits_per_weight"]
+    assert (1 - TOLERANCE) * 5.6 <= got <= 5.6, got
+    layers = Artifact.open(out.artifact).layers()
+    used = {name: r.spec.name for name, r in layers.items()}
+    for name, grid in used.items():
+        cols = layers[name].codes.shape[1]
+        assert grid in {grid_for_width(g, cols).name for g in allowed}, (name, grid)
+    assert {"q4_k", "q6_k"} <= set(used.values())  # a mix, not one grid
+    assert any(g in ("q5_0", "q8_0") for n, g in used.items() if "down_proj" in n)
+    assert Artifact.open(out.artifact).manifest["recipe"]["bpw_grids"] == list(allowed)
+    assert Recipe.from_dict(Artifact.open(out.artifact).manifest["recipe"]).bpw_grids == allowed
+    # the allowed grids bound the reachable budgets, refused before any work with the grids named
+    res = runner.invoke(app, ["compress", str(src), "--method", "rtn", "--bpw", "7.5", "--bpw-grids", "q3_k,q4_k",
+                              "-o", str(tmp_path / "out"), "--nsamples", "4", "--seqlen", "32"])
+    one_line_error(res, "bpw 7.5 is above what the grids q3_k, q4_k can use")
+    assert res.exit_code == 2 and not (tmp_path / "out").exists()
+
+
+def test_budget_grid_lists_are_checked_before_any_work(tiny_models, tmp_path):
+    bad = [dict(bpw_grids=("q4_k",), match="give the budget too"),
+           dict(bpw=5.0, bpw_grids=("q4_k", "q9_9"), match="unknown grid 'q9_9'"),
+           dict(bpw=5.0, bpw_grids=("q4_k", "q4_k"), match="names a grid twice"),
+           dict(bpw=5.0, bpw_grids=(), match="non-empty list"),
+           dict(bpw=5.0, bpw_grids=("q4_k", 4), match="non-empty list")]
+    for kw in bad:
+        match = kw.pop("match")
+        with pytest.raises(ConfigError, match=match):
+            Recipe(**{"method": "rtn", **kw}).validate()
+    out = tmp_path / "out"
+    for args, match in ((["--bpw-grids", "q4_k"], "give the budget too"),
+                        (["--bpw", "5", "--bpw-grids", " , "], "non-empty list")):
+        res = runner.invoke(app, ["compress", str(tiny_models("llama")), "--method", "rtn", *args, "-o", str(out)])
+        one_line_error(res, match)
+        assert res.exit_code == 2 and not out.exists()
+
+
+def test_an_artifact_from_before_a_new_setting_is_still_reused(tiny_models, calib_file, tmp_path, monkeypatch):
+    # `slmedge run` reuses an artifact of the same recipe. One written before bpw_grids existed has no such
+    # key; at its default the setting does what that version did, so the artifact is the same recipe's.
+    from slmedge.cli.run import _reusable
+
+    recipe = small_recipe(calib_file, method="rtn", bits=4)
+    plain = Recipe.to_dict
+    with monkeypatch.context() as m:
+        m.setattr(Recipe, "to_dict", lambda self: {k: v for k, v in plain(self).items() if k != "bpw_grids"})
+        out = compress(str(tiny_models("llama")), recipe, tmp_path / "art", device="cpu")
+    assert "bpw_grids" not in Artifact.open(out.artifact).manifest["recipe"]
+    assert _reusable(out.artifact, recipe) is not None
+    assert _reusable(out.artifact, small_recipe(calib_file, method="rtn", bits=4, seed=1)) is None

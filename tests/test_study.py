@@ -86,20 +86,24 @@ def test_study_files_are_validated_with_the_line(tmp_path, tiny_models):
 
 def test_a_budget_sweep_is_one_row_per_budget(tmp_path, tiny_models):
     f = _study(tmp_path, tiny_models("llama"), methods=[
-        'method = "none"', 'label = "gptq-mix"\nmethod = "gptq"\nbpw = [5.0, 4.5, 4]', 'method = "rtn"\nbpw = [4.25, 6]'])
+        'method = "none"', 'label = "gptq-mix"\nmethod = "gptq"\nbpw = [5.0, 4.5, 4]', 'method = "rtn"\nbpw = [4.25, 6]',
+        'method = "gptq"\nbpw = 4.75\nbpw_grids = ["q4_k", "q6_k"]'])
     study = load_study(f)
     got = [(m.label, m.method, m.settings.get("bpw")) for m in study.methods]
     assert got == [("base", "none", None), ("gptq-mix-bpw5", "gptq", 5.0), ("gptq-mix-bpw4.5", "gptq", 4.5),
-                   ("gptq-mix-bpw4", "gptq", 4.0), ("rtn-bpw4.25", "rtn", 4.25), ("rtn-bpw6", "rtn", 6.0)]
+                   ("gptq-mix-bpw4", "gptq", 4.0), ("rtn-bpw4.25", "rtn", 4.25), ("rtn-bpw6", "rtn", 6.0),
+                   ("gptq-bpw4.75-q4_k-q6_k", "gptq", 4.75)]
+    assert study.methods[-1].settings["bpw_grids"] == ["q4_k", "q6_k"]
     res = runner.invoke(app, ["study", str(f), "--dry-run"])
     assert res.exit_code == 0, res.output
-    assert "5 compress" in res.output, res.output
+    assert "6 compress" in res.output, res.output
     text = f.read_text()
     for bad, words in ((text.replace("bpw = [5.0, 4.5, 4]", "bpw = []"), "a non-empty list of numbers"),
                        (text.replace("bpw = [5.0, 4.5, 4]", 'bpw = [5.0, "4"]'), "a non-empty list of numbers"),
                        (text.replace("bpw = [5.0, 4.5, 4]", "bpw = [4.5, 4.5]"), "lists a budget twice"),
                        (text.replace("bpw = [5.0, 4.5, 4]", "bpw = [5.0, 99]"), "bpw"),
-                       (text.replace("bpw = [5.0, 4.5, 4]", "bpw = [5.0]\ngrid = \"q4_0\""), "not both")):
+                       (text.replace("bpw = [5.0, 4.5, 4]", "bpw = [5.0]\ngrid = \"q4_0\""), "not both"),
+                       (text.replace('"q6_k"]', '"q9_9"]'), "unknown grid 'q9_9'")):
         g = tmp_path / "bad-sweep.toml"
         g.write_text(bad)
         with pytest.raises(StudyError) as err:

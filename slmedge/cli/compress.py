@@ -19,16 +19,19 @@ from .data import DATA_DIR_HELP
 
 def recipe_from_options(method, bits, group_size, symmetric, sparsity, calibration, nsamples, seqlen, seed, batch_size,
                         skip, include_head, damp, block_size, act_order, true_sequential, awq_grid, awq_clip,
-                        awq_max_tokens, awq_search_dtype, grid=None, bpw=None, importance=None) -> Recipe:
+                        awq_max_tokens, awq_search_dtype, grid=None, bpw=None, importance=None,
+                        bpw_grids=None) -> Recipe:
     info = METHODS.get(method)
     if bits is None and info is not None and info.kind == "quantize" and grid is None and bpw is None:
         bits = 4
+    if isinstance(bpw_grids, str):  # "q4_k,q5_k,q6_k"
+        bpw_grids = tuple(name.strip().lower() for name in bpw_grids.split(",") if name.strip())
     skip_patterns = tuple(p for p in DEFAULT_SKIP if not (include_head and p == "lm_head")) + tuple(skip or ())
     return Recipe(method=method, bits=bits, group_size=group_size, symmetric=symmetric, sparsity=sparsity,
                   calibration=calibration, nsamples=nsamples, seqlen=seqlen, seed=seed, batch_size=batch_size,
                   skip=skip_patterns, damp=damp, block_size=block_size, act_order=act_order,
                   true_sequential=true_sequential, awq_grid=awq_grid, awq_clip=awq_clip, awq_max_tokens=awq_max_tokens,
-                  awq_search_dtype=awq_search_dtype, grid=grid, bpw=bpw, importance=importance)
+                  awq_search_dtype=awq_search_dtype, grid=grid, bpw=bpw, bpw_grids=bpw_grids, importance=importance)
 
 
 def check_compress(model, recipe: Recipe, output, *, overwrite: bool, revision=None, data_dir=None,
@@ -96,6 +99,7 @@ def compress_command(
     symmetric: bool = typer.Option(False, "--sym/--asym", help="Symmetric (zero point 2^(b-1)) or asymmetric grid."),
     grid: Optional[str] = typer.Option(None, "--grid", help=GRID_HELP),
     bpw: Optional[float] = typer.Option(None, "--bpw", help="Mix llama.cpp's grids to this many bits per weight of the compressed linears (codes and scales as GGUF stores them), each linear's grid from measured sensitivity; lands within 1% below it."),
+    bpw_grids: Optional[str] = typer.Option(None, "--bpw-grids", help="With --bpw: the grids the budget may choose among, comma-separated (e.g. q3_k,iq4_xs,q4_k,q5_k,q6_k); rows a grid's super-blocks do not divide take llama.cpp's fallback for it. Default: all."),
     importance: Optional[bool] = typer.Option(None, "--importance/--no-importance", help="On a llama.cpp grid: weigh each weight by its input channel's mean square over the calibration text when searching scales (default: GPTQ/AWQ/Wanda do, RTN does not; --importance makes RTN calibrate)."),
     sparsity: Optional[str] = typer.Option(None, "--sparsity", "-s", help="Pruning: a ratio in [0, 1) or N:M (N zeros in every M weights), e.g. 0.5 or 2:4."),
     calibration: str = typer.Option(DEFAULT_CALIBRATION, "--calibration", "-c", help="c4, multilingual[:LANGS], a .txt/.jsonl file, hf:DATASET[:CONFIG][:SPLIT], or several joined by + (a mix: c4+multilingual)."),
@@ -134,11 +138,13 @@ def compress_command(
       slmedge compress MODEL --method gptq --grid q4_k -o out/gptq-q4k      # llama.cpp's Q4_K, codes kept in GGUF
       slmedge compress MODEL --method rtn --grid iq4_nl --importance         # importance-weighted rounding
       slmedge compress MODEL --method awq --bpw 4.8                          # mixed grids to 4.8 bits per weight
+      slmedge compress MODEL --method gptq --bpw 4.9 --bpw-grids q4_k,q5_k,q6_k   # K-quants only
     """
     with errors_to_exit():
         recipe = recipe_from_options(method, bits, group_size, symmetric, sparsity, calibration, nsamples, seqlen, seed,
                                      batch_size, skip, include_head, damp, block_size, act_order, true_sequential,
-                                     awq_grid, awq_clip, awq_max_tokens, awq_search_dtype, grid, bpw, importance)
+                                     awq_grid, awq_clip, awq_max_tokens, awq_search_dtype, grid, bpw, importance,
+                                     bpw_grids)
         output = check_compress(model, recipe, output, overwrite=overwrite, revision=revision, data_dir=data_dir,
                                 text_field=text_field, device=device, trust_remote_code=trust_remote_code)
         with progress_bar() as progress:

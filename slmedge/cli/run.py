@@ -17,7 +17,7 @@ import typer
 from ..compress.api import compress, default_output
 from ..compress.artifact import Artifact
 from ..compress.recipe import Recipe
-from ..errors import ArtifactError
+from ..errors import ArtifactError, ConfigError
 from ..models.artifact_format import is_artifact, manifest_path
 from .common import Table, bounded, check_output_file, console, errors_to_exit, progress_bar, supervised
 from .data import DATA_DIR_HELP
@@ -173,4 +173,8 @@ def _reusable(path: Path, recipe: Recipe):
         art = Artifact.open(path)
     except ArtifactError:
         return None
-    return art if art.manifest.get("recipe") == recipe.to_dict() else None
+    try:  # read as today's recipe: a setting added since is at its default, which does what it did then
+        saved = Recipe.from_dict(art.manifest.get("recipe") or {}).to_dict()
+    except (ConfigError, TypeError, ValueError):
+        return None
+    return art if saved == recipe.to_dict() else None

@@ -41,7 +41,7 @@ def default_output(source_name: str, recipe: Recipe) -> Path:
     if recipe.grid is not None:
         parts.append(recipe.grid + ("-imp" if recipe.importance else ""))
     elif recipe.bpw is not None:
-        parts.append(f"bpw{recipe.bpw:g}".replace(".", "p"))
+        parts.append(f"bpw{recipe.bpw:g}".replace(".", "p") + "".join(f"-{g}" for g in recipe.bpw_grids or ()))
     elif recipe.bits is not None:
         g = "ch" if recipe.group_size == -1 else recipe.group_size
         parts.append(f"w{recipe.bits}g{g}{'s' if recipe.symmetric else ''}")
@@ -90,7 +90,7 @@ def check_compatible(loaded: LoadedModel, recipe: Recipe) -> None:
         from ..models.grids import GRIDS, grid_for_width
 
         for name, cols in widths.items():
-            for grid in ([recipe.grid] if recipe.grid is not None else list(GRIDS)):
+            for grid in ([recipe.grid] if recipe.grid is not None else list(recipe.bpw_grids or GRIDS)):
                 try:
                     grid_for_width(grid, cols)
                 except ConfigError as exc:
@@ -99,7 +99,7 @@ def check_compatible(loaded: LoadedModel, recipe: Recipe) -> None:
             from .budget import check_budget
 
             shapes = {name: (model.get_submodule(name).out_features, cols) for name, cols in widths.items()}
-            check_budget(shapes, recipe.bpw)
+            check_budget(shapes, recipe.bpw, recipe.bpw_grids)
     g = recipe.group_size
     if recipe.bits is not None and g != -1 and not recipe.on_grid:
         widest = max(widths, key=widths.get)

@@ -30,11 +30,11 @@ UNITS = 100_000  # the budget's resolution in the allocation
 SENSITIVITY_ROWS = 256  # rows of each weight its sensitivity is measured on
 
 
-def candidates(columns: int) -> list[Grid]:
-    """The grids a linear ``columns`` wide can be written in (each grid or llama.cpp's fallback for the
-    width), by size."""
+def candidates(columns: int, names=None) -> list[Grid]:
+    """The grids a linear ``columns`` wide can be written in (each of ``names``, all grids when None, or
+    llama.cpp's fallback for the width), by size."""
     found = {}
-    for name in GRIDS:
+    for name in (names or GRIDS):
         grid = grid_for_width(name, columns)
         found[grid.name] = grid
     return sorted(found.values(), key=lambda g: (g.bits_per_weight, g.name))
@@ -44,20 +44,22 @@ def linear_bits(rows: int, columns: int, grid: Grid) -> int:
     return rows * columns * grid.type_size * 8 // grid.block
 
 
-def check_budget(shapes: dict[str, tuple[int, int]], bpw: float) -> None:
-    """Refuse (ConfigError) a budget no choice of grids reaches within the tolerance, before any work."""
+def check_budget(shapes: dict[str, tuple[int, int]], bpw: float, names=None) -> None:
+    """Refuse (ConfigError) a budget no choice of grids (``names``, all when None) reaches within the
+    tolerance, before any work."""
+    grids = f"the grids {', '.join(names)}" if names else "llama.cpp's grids"
     total = sum(r * c for r, c in shapes.values())
-    lo = sum(linear_bits(r, c, candidates(c)[0]) for r, c in shapes.values())
-    hi = sum(linear_bits(r, c, candidates(c)[-1]) for r, c in shapes.values())
+    lo = sum(linear_bits(r, c, candidates(c, names)[0]) for r, c in shapes.values())
+    hi = sum(linear_bits(r, c, candidates(c, names)[-1]) for r, c in shapes.values())
     if bpw * total < lo:
-        raise ConfigError(f"bpw {bpw:g} is below what llama.cpp's grids can reach on these linears: at least "
+        raise ConfigError(f"bpw {bpw:g} is below what {grids} can reach on these linears: at least "
                           f"{lo / total:.4f} (every linear on its smallest grid)")
     if bpw * total * (1 - TOLERANCE) > hi:
-        raise ConfigError(f"bpw {bpw:g} is above what llama.cpp's grids can use on these linears: at most "
+        raise ConfigError(f"bpw {bpw:g} is above what {grids} can use on these linears: at most "
                           f"{hi / total:.4f} (every linear on its largest grid)")
-    zero = {name: {g.name: 0.0 for g in candidates(c)} for name, (r, c) in shapes.items()}
+    zero = {name: {g.name: 0.0 for g in candidates(c, names)} for name, (r, c) in shapes.items()}
     if allocate(shapes, zero, bpw) is None:
-        raise ConfigError(f"no choice of llama.cpp's grids for these linears lands within {TOLERANCE:.0%} below "
+        raise ConfigError(f"no choice of {grids} for these linears lands within {TOLERANCE:.0%} below "
                           f"bpw {bpw:g}; try another budget")
 
 

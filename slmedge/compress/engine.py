@@ -379,7 +379,7 @@ def budget_grids(model, arch: Architecture, recipe: Recipe, inputs: BlockInputs,
 
     def measure(name, weight, stats):
         shapes[name] = tuple(weight.shape)
-        errors[name] = sensitivity(weight, stats.importance(), candidates(weight.shape[1]), weighted)
+        errors[name] = sensitivity(weight, stats.importance(), candidates(weight.shape[1], recipe.bpw_grids), weighted)
 
     for idx, layer in enumerate(layers):
         work = copy.deepcopy(layer)

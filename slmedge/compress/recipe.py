@@ -41,6 +41,9 @@ class Recipe:
     # Mixed grids to a budget: average bits per weight of the compressed linears as GGUF stores them
     # (codes, scales, mins), each linear's grid chosen from measured sensitivity (compress.budget).
     bpw: float | None = None
+    # The grids a budget may choose among (each, or llama.cpp's fallback where its super-blocks do not
+    # divide a linear's rows); None: all of them. E.g. ("q4_k", "q5_k", "q6_k") for K-quants only.
+    bpw_grids: tuple[str, ...] | None = None
     # Whether the grid's scale search weighs each weight by its input channel's mean square over the
     # calibration tokens. None: the method's own statistics where it has them (GPTQ's Hessian diagonal,
     # AWQ's and Wanda's activations), data-free for RTN and magnitude; true makes RTN calibrate.
@@ -79,6 +82,8 @@ class Recipe:
             self.sparsity = Sparsity.parse(self.sparsity)
         if isinstance(self.skip, (list, tuple)):
             self.skip = tuple(self.skip)
+        if isinstance(self.bpw_grids, list):
+            self.bpw_grids = tuple(self.bpw_grids)
 
     @property
     def on_grid(self) -> bool:
@@ -100,6 +105,7 @@ class Recipe:
         """Plain JSON data (what the artifact's manifest holds); ``from_dict`` reads it back."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["skip"] = list(self.skip)
+        data["bpw_grids"] = None if self.bpw_grids is None else list(self.bpw_grids)
         data["sparsity"] = None if self.sparsity is None else self.sparsity.describe()
         return data
 
@@ -167,6 +173,18 @@ class Recipe:
                                   "linear's grid")
         if self.bpw is not None:
             limits.check("bpw", self.bpw)  # the range of llama.cpp's grids (tests/test_grids.py holds them equal)
+        if self.bpw_grids is not None:
+            names = self.bpw_grids
+            if not isinstance(names, tuple) or not names or not all(isinstance(n, str) for n in names):
+                raise ConfigError(f"bpw_grids must be a non-empty list of grid names, got {names!r}")
+            unknown = [n for n in names if n not in GRIDS]
+            if unknown:
+                raise ConfigError(f"bpw_grids: unknown grid {unknown[0]!r}; choose among: {', '.join(GRIDS)}")
+            if len(set(names)) != len(names):
+                raise ConfigError(f"bpw_grids names a grid twice: {', '.join(names)}")
+            if self.bpw is None:
+                raise ConfigError("bpw_grids names the grids a bits-per-weight budget may choose among: give the "
+                                  "budget too (--bpw)")
         if self.importance is not None and not isinstance(self.importance, bool):
             raise ConfigError(f"importance must be true or false, got {self.importance!r}")
         if self.importance and not self.on_grid:
@@ -188,7 +206,7 @@ class Recipe:
         if self.grid is not None:
             parts.append(f"grid {self.grid}")
         elif self.bpw is not None:
-            parts.append(f"{self.bpw:g} bpw mix")
+            parts.append(f"{self.bpw:g} bpw mix" + (f" of {'/'.join(self.bpw_grids)}" if self.bpw_grids else ""))
         elif self.bits is not None:
             parts.append(self.quant_spec().describe())
         if self.sparsity is not None:

@@ -585,7 +585,7 @@ def _auto_label(method: str, s: dict) -> str:
     if s.get("grid"):
         parts.append(s["grid"] + ("-imp" if s.get("importance") else ""))
     elif s.get("bpw"):
-        parts.append(f"bpw{s['bpw']:g}")
+        parts.append(f"bpw{s['bpw']:g}" + "".join(f"-{g}" for g in s.get("bpw_grids") or ()))
     elif s.get("bits"):
         group = s.get("group_size", Recipe.group_size)
         parts.append(f"w{s['bits']}" + (f"g{group}" if group > 0 else "") + ("sym" if s.get("symmetric") else ""))
