@@ -319,43 +319,70 @@ def main() -> int:
     return 0
 
 
-# slmedge's files with their codes kept, and llama.cpp's imatrix file of the same block types (llama.cpp's
-# Q4_0 recipe raises a few ffn_down tensors to Q4_1; its K-quant "_M" recipes mix in Q6_K and are not paired).
-SAME_TYPES = {"gptq-iq4_xs": "IQ4_XS", "awq-iq4_xs": "IQ4_XS", "gptq-q4_0": "Q4_0", "awq-q4_1": "Q4_1",
-              "gptq-q6_k": "Q6_K"}
+SAME_TYPES_SHARE = 0.95  # pairs for the decode comparison: at least this share of tensors in the same type
+
+
+PLAIN = ("F32", "F16", "BF16")
+
+
+def tensor_types(file: Path) -> dict:
+    """Tensor name -> its block type's name (F32, Q4_0, ...)."""
+    import gguf
+
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(file).tensors}
+
+
+def same_type_pairs(rows: dict, work: Path) -> list[tuple[str, str, float]]:
+    """(slmedge's row, llama.cpp's imatrix row, share): each of slmedge's files with its codes kept and the
+    llama.cpp imatrix file that stores the most of its tensors in the same block type, where that share is
+    at least ``SAME_TYPES_SHARE`` (read from the files: llama.cpp's Q4_0 recipe, for one, raises a few
+    ffn_down tensors to Q4_1, and its K-quant "_M" recipes mix in Q6_K, which leaves those unpaired)."""
+    theirs = {k: tensor_types(work / r["file"]) for k, r in rows.items() if k.endswith(" llama-imatrix")}
+    pairs = []
+    for label, r in rows.items():
+        if r["producer"] != "slmedge" or not label.endswith("codes kept"):
+            continue
+        ours = tensor_types(work / r["file"])
+        shares = {}
+        for k, t in theirs.items():  # over the tensors either file quantizes (norms are F32 in both)
+            names = [n for n, ty in ours.items() if ty not in PLAIN or t.get(n) not in PLAIN]
+            shares[k] = sum(t.get(n) == ours[n] for n in names) / len(names) if names else 0.0
+        best = max(shares, key=shares.get, default=None)
+        if best is not None and shares[best] >= SAME_TYPES_SHARE:
+            pairs.append((label, best, shares[best]))
+    return pairs
 
 
 def decode_pairs(rows: dict, work: Path, model: str, args) -> dict:
-    """Decode tokens/s of slmedge's file against llama.cpp's file of the same block types, measured in
-    turns (A B A B ...: drift of the machine falls on both), ``--decode-rounds`` rounds of ``slmedge
-    evaluate --metrics latency`` (pp 128, tg 64, 3 repeats); the median per file and the ratio."""
+    """Decode tokens/s of slmedge's files against llama.cpp's of the same block types
+    (``same_type_pairs``), measured in turns (A B A B ...: drift of the machine falls on both),
+    ``--decode-rounds`` rounds of ``slmedge evaluate --metrics latency`` (pp 128, tg 64, 3 repeats); the
+    median per file and the ratio."""
     from slmedge.evaluate.api import EvalSettings, evaluate
 
-    pairs = [(label, f"{t} llama-imatrix") for label, t in SAME_TYPES.items()
-             if any(k.startswith(f"{label},") for k in rows) and f"{t} llama-imatrix" in rows]
+    pairs = same_type_pairs(rows, work)
     if not pairs:
         return {}
     settings = EvalSettings(metrics=("latency",), reference=model, pp=128, tg=64, repeats=3, threads=args.threads)
     out = {}
-    for ours, theirs in pairs:
-        a = work / next(r["file"] for k, r in rows.items() if k.startswith(f"{ours},"))
-        b = work / rows[theirs]["file"]
+    for ours, theirs, share in pairs:
+        a, b = work / rows[ours]["file"], work / rows[theirs]["file"]
         tps = {a.name: [], b.name: []}
         for _ in range(args.decode_rounds):
             for f in (a, b):
                 res = evaluate(str(f), settings)
                 tps[f.name].append(res["metrics"]["latency"]["decode_tps"]["median"])
         med = {k: sorted(v)[len(v) // 2] for k, v in tps.items()}
-        out[ours] = {"slmedge": a.name, "llama.cpp": b.name, "tps": tps, "median": med,
+        out[ours] = {"slmedge": a.name, "llama.cpp": b.name, "same_types": share, "tps": tps, "median": med,
                      "ratio": med[a.name] / med[b.name]}
         log(f"decode {ours} vs {theirs}: {med[a.name]:.1f} vs {med[b.name]:.1f} tok/s "
             f"(ratio {out[ours]['ratio']:.3f}, {args.decode_rounds} rounds in turns)")
     print(f"\n#### {model}: decode tokens/s, same block types, {args.decode_rounds} rounds in turns\n")
-    print("| slmedge file | llama.cpp file | slmedge tok/s | llama.cpp tok/s | ratio |")
-    print("|---|---|---:|---:|---:|")
+    print("| slmedge file | llama.cpp file | tensors in the same type | slmedge tok/s | llama.cpp tok/s | ratio |")
+    print("|---|---|---:|---:|---:|---:|")
     for ours, r in out.items():
-        print(f"| {ours} | {r['llama.cpp']} | {r['median'][r['slmedge']]:.1f} | {r['median'][r['llama.cpp']]:.1f} | "
-              f"{r['ratio']:.3f} |")
+        print(f"| {ours} | {r['llama.cpp']} | {r['same_types']:.1%} | {r['median'][r['slmedge']]:.1f} | "
+              f"{r['median'][r['llama.cpp']]:.1f} | {r['ratio']:.3f} |")
     return out
 
 
