@@ -386,22 +386,29 @@ def decode_pairs(rows: dict, work: Path, model: str, args) -> dict:
     return out
 
 
-def on_base_grid(file: Path, model: str) -> float | None:
-    """The share of the shipped base GGUF's quantized tensors that ``file`` stores in the same block type
-    (None for a model that is no embedded GGUF): where it is high, a row lands back on the grid the base's
-    weights already sit on, and looks better than it would on a 16-bit model (the caveat)."""
-    import gguf
+# Block types that hold every value of a base tensor's type exactly, from the same fp16 scale(s): a
+# quantizer writing those can land back on the base's grid. Q4_0 d*(q-8) is Q4_1/Q5_1 with min -8d and
+# Q5_0/Q8_0 with the same d; Q4_1 d*q+m is Q5_1 with the same d and m; Q5_0 d*(q-16) is Q5_1 with min
+# -16d and Q8_0 with the same d; Q4_K's 256-blocks (d, dmin, 6-bit sub-block scales and mins, 4-bit
+# codes) are Q5_K's with the codes' fifth bit clear; Q3_K's signed sub-block scales fit Q6_K's int8 ones.
+HOLDS = {"Q4_0": {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}, "Q4_1": {"Q4_1", "Q5_1"}, "Q5_0": {"Q5_0", "Q5_1", "Q8_0"},
+         "Q4_K": {"Q4_K", "Q5_K"}, "Q3_K": {"Q3_K", "Q6_K"}}
 
+
+def on_base_grid(file: Path, model: str) -> float | None:
+    """The share of the shipped base GGUF's quantized tensors that ``file`` stores in a block type holding
+    the base's exactly (its own, or a wider one: ``HOLDS``; None for a model that is no embedded GGUF):
+    where it is high, a row can land back on the grid the base's weights already sit on, and looks
+    better than it would on a 16-bit model (the caveat)."""
     from slmedge.models.source import embedded_gguf_path
 
     try:
-        base = {t.name: t.tensor_type for t in gguf.GGUFReader(embedded_gguf_path(model)).tensors}
+        base = tensor_types(embedded_gguf_path(model))
     except Exception:
         return None
-    plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
-    ours = {t.name: t.tensor_type for t in gguf.GGUFReader(file).tensors}
-    names = [n for n, t in base.items() if t not in plain and n in ours]
-    return sum(ours[n] == base[n] for n in names) / len(names) if names else None
+    ours = tensor_types(file)
+    names = [n for n, t in base.items() if t not in PLAIN and n in ours]
+    return sum(ours[n] in HOLDS.get(base[n], {base[n]}) for n in names) / len(names) if names else None
 
 
 def print_table(model: str, rows: dict) -> None:
@@ -411,13 +418,14 @@ def print_table(model: str, rows: dict) -> None:
     print("|---|---|---:|---:|---:|---:|---:|")
     for label, r in sorted(rows.items(), key=lambda kv: (kv[1]["bytes"], kv[0])):
         share = r.get("on_base_grid")
-        mark = f" (caveat: {share:.0%} on the base's grid)" if share is not None and share >= 0.5 else ""
+        mark = f" (caveat: {share:.0%} can hold the base's grid)" if share is not None and share >= 0.5 else ""
         tps = f"{r['decode_tps']:.1f}" if r.get("decode_tps") else "-"
         print(f"| {label}{mark} | {r['producer']} | {r['bytes'] / 1e6:.1f} | {r['mean_kl']:.4f} | {r['top1']:.1%} | "
               f"{r['ppl_geomean']:.2f} | {tps} |")
     if caveat:
         print(f"\nCaveat: {model}'s only weights are a {caveat} GGUF; rows marked store at least half of its "
-              f"quantized tensors in the base's own block type, so they land back on its grid.")
+              f"quantized tensors in a block type that holds the base's type exactly (its own, or a wider one: Q5_1 "
+              f"holds Q4_1), so they can land back on its grid.")
 
 
 if __name__ == "__main__":
