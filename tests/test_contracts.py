@@ -77,6 +77,23 @@ def test_artifacts_of_the_previous_version_with_an_empty_extra_still_open(tiny_m
     assert loaded.identity["kind"] == "artifact" and loaded.identity["recipe"]["method"] == "rtn"
 
 
+def test_run_reuses_an_artifact_only_for_the_calibration_windows_it_was_made_on(tiny_models, calib_file, tmp_path):
+    # `slmedge run` reuses an artifact of the same recipe, but not one whose calibration windows are no
+    # longer what the recipe gives: an edited calibration file (or windows now led by BOS) recompress.
+    from conftest import calib_text, small_recipe
+    from slmedge.cli.run import _reusable
+    from slmedge.compress.api import compress
+
+    data = calib_text(tmp_path / "calib.txt")
+    recipe = small_recipe(data, method="gptq", bits=4)
+    out = compress(str(tiny_models("llama")), recipe, tmp_path / "art", device="cpu").artifact
+    assert _reusable(out, recipe) is not None
+    data.write_text(data.read_text(encoding="utf-8").replace("the", "a"), encoding="utf-8")
+    assert _reusable(out, recipe) is None
+    data.unlink()
+    assert _reusable(out, recipe) is None  # gone: compressing again says so
+
+
 def test_a_saved_recipe_with_unknown_keys_still_fails_loudly():
     data = Recipe(method="rtn").to_dict()
     assert Recipe.from_dict({**data, "extra": {}}) == Recipe(method="rtn")  # the previous version's empty table

@@ -4,11 +4,11 @@ import math
 import pytest
 import torch
 
-from slmedge.data.calibration import load_calibration, read_sources, token_stream
+from slmedge.data.calibration import adds_bos, load_calibration, read_sources, token_stream
 from slmedge.errors import DataError
 from slmedge.evaluate.corpora import load_corpus
 from slmedge.evaluate.perplexity import perplexity
-from tiny import tiny_model, tiny_tokenizer
+from tiny import bos_tokenizer, tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,27 @@ def test_a_single_stream_is_sampled_uniformly_by_the_seed(tok):
     rng = random.Random(3)
     expected = [ids[s : s + 32] for s in (rng.randrange(0, len(ids) - 32 + 1) for _ in range(5))]
     assert load_calibration("c4", tok, 5, 32, seed=3).tokens.tolist() == expected
+
+
+def test_a_tokenizer_that_adds_bos_gets_windows_led_by_bos(tok):
+    # As the model sees text in use, and as llama-imatrix feeds it: BOS, then seqlen - 1 tokens of text
+    # from the starts the seed draws. A tokenizer without BOS keeps windows of text alone.
+    import random
+
+    led_tok = bos_tokenizer()
+    assert adds_bos(led_tok) and not adds_bos(tok)
+    (texts,), = read_sources("c4")[0]
+    ids = token_stream(tok, texts)
+    assert token_stream(led_tok, texts) == ids  # the text's ids are the same; only the windows differ
+    rng = random.Random(3)
+    expected = [[led_tok.bos_token_id] + ids[s : s + 31] for s in (rng.randrange(0, len(ids) - 31 + 1) for _ in range(5))]
+    led = load_calibration("c4", led_tok, 5, 32, seed=3)
+    assert led.tokens.shape == (5, 32) and led.tokens.tolist() == expected
+    plain = load_calibration("c4", tok, 5, 32, seed=3)
+    assert led.identity["bos"] is True and plain.identity["bos"] is False
+    assert led.identity["tokens_sha256"] != plain.identity["tokens_sha256"]  # what compressed with it is told apart
+    mix = load_calibration("c4+multilingual:de,hi", led_tok, 6, 24, seed=0).tokens
+    assert (mix[:, 0] == led_tok.bos_token_id).all() and (mix[:, 1:] != led_tok.bos_token_id).all()
 
 
 def test_a_mix_and_the_languages_take_equal_turns(tok, tmp_path):
@@ -135,6 +156,23 @@ def test_perplexity_matches_a_hand_computation(tok):
         assert len(text[a:b].encode("utf-8")) > len(text[a:b])
     assert res.bytes == expected_bytes
     assert math.isclose(res.bits_per_byte, total / math.log(2) / expected_bytes, rel_tol=1e-5)
+
+
+def test_torch_perplexity_puts_bos_first_for_a_tokenizer_that_adds_it(tok):
+    model = tiny_model("llama")
+    led_tok = bos_tokenizer()
+    text = "Grüße aus München! 中文 text, then more words. " * 20
+    res = perplexity(model, led_tok, text, seqlen=32, max_windows=2)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    total = 0.0
+    with torch.no_grad():
+        for w in range(2):
+            window = torch.tensor([led_tok.bos_token_id] + ids[w * 31 : (w + 1) * 31])
+            logp = torch.log_softmax(model(window[None]).logits[0].double(), -1)
+            total -= sum(float(logp[t - 1, window[t]]) for t in range(1, 32))
+    assert res.tokens == 2 * 31 and math.isclose(res.perplexity, math.exp(total / 62), rel_tol=1e-5)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert res.bytes == len(text[: enc["offset_mapping"][61][1]].encode("utf-8"))  # from the first text token
 
 
 def test_corpus_shorter_than_one_window(tok):

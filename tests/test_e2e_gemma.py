@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from slmedge.errors import GGUFImportMismatchError
 from slmedge.models import source
-from slmedge.models.gguf_tokenizer import adds_bos
+from slmedge.data.calibration import adds_bos
 
 pytestmark = pytest.mark.e2e
 

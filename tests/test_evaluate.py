@@ -4,6 +4,7 @@ import json
 import math
 import sqlite3
 import sys
+from pathlib import Path
 
 
 import numpy as np
@@ -67,6 +68,49 @@ def test_strided_windows_score_every_token_once():
     assert all(stop - start == 256 for start, stop, _ in wins)
     with pytest.raises(DataError, match="shorter than one window"):
         rolling_windows(100, 256)
+
+
+def test_a_bos_tokenizers_windows_start_with_bos_and_score_every_text_token(tiny_models):
+    # As llama-perplexity and lm-eval score a model whose tokenizer adds BOS: each window is BOS and
+    # seqlen - 1 tokens of text, every text token scored once (the first from BOS alone).
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny import bos_tokenizer
+
+    for stride in (None, 63, 64, 40):  # a stride is at most the text a window holds
+        wins = rolling_windows(1000, 64, stride, lead=1)
+        scored = [t for _, stop, first in wins for t in range(first, stop)]
+        assert scored == list(range(0, wins[-1][1])) and all(stop - start == 63 for start, stop, _ in wins)
+    assert rolling_windows(1000, 64, 64, lead=1) == rolling_windows(1000, 64, None, lead=1)
+    enc = HFEncoder(bos_tokenizer())
+    assert enc.adds_bos and not HFEncoder(AutoTokenizer.from_pretrained(tiny_models("llama"))).adds_bos
+    model = AutoModelForCausalLM.from_pretrained(tiny_models("llama"))
+    res, kept = runtime_perplexity(TorchRuntime(model), enc, TEXT, seqlen=64, max_windows=3)
+    ids, ends = enc.encode_with_bytes(TEXT)
+    total = 0.0
+    with torch.no_grad():
+        for w in range(3):
+            window = torch.tensor([enc.bos_id] + ids[w * 63 : (w + 1) * 63])
+            logp = torch.log_softmax(model(window[None]).logits[0].double(), -1)
+            total -= sum(float(logp[t - 1, window[t]]) for t in range(1, 64))
+    assert res.tokens == 3 * 63 and res.windows == 3 and all(w[0] == enc.bos_id and k == 1 for w, k in kept)
+    assert math.isclose(res.nll, total / (3 * 63), rel_tol=1e-5)
+    assert res.bytes == int(ends[3 * 63 - 1])  # from the text's first byte: its first token is scored too
+
+    seen = []
+
+    class Recording(TorchRuntime):
+        def sequence_outputs(self, seqs, hidden=False):
+            seen.extend(list(s) for s in seqs)
+            return super().sequence_outputs(seqs, hidden)
+
+    other = AutoModelForCausalLM.from_pretrained(tiny_models("llama"))
+    with torch.no_grad():
+        other.lm_head.weight.mul_(1.1)
+    stats = fidelity((Recording(other), enc), (Recording(model), enc), TEXT, seqlen=64, max_windows=2,
+                     reference_id="bos-led-windows")
+    assert stats["tokens"] == 2 * 63 and stats["windows"] == 2 and stats["kl_mean"] > 0
+    windows = [s for s in seen if len(s) > 2]  # (the two-token probes ask whether hidden states are given)
+    assert [w for w in windows] == [[enc.bos_id] + ids[i * 63 : (i + 1) * 63] for i in (0, 1)] * 2
 
 
 def _write_tasks(tmp_path):

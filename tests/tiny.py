@@ -109,6 +109,16 @@ def tiny_tokenizer(model_type: str | None = None):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+def bos_tokenizer(model_type: str | None = None):
+    """The tiny tokenizer, putting BOS before a text when asked for its special tokens (as Gemma's and
+    Llama 3's do)."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = tiny_tokenizer(model_type)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    return tok
+
+
 def tiny_model(model_type: str, seed: int = 0, layers: int = 2, wide: bool = False):
     from transformers import AutoModelForCausalLM
 

@@ -17,7 +17,7 @@ import typer
 from ..compress.api import compress, default_output
 from ..compress.artifact import Artifact
 from ..compress.recipe import Recipe
-from ..errors import ArtifactError, ConfigError
+from ..errors import ArtifactError, ConfigError, SlmedgeError
 from ..models.artifact_format import is_artifact, manifest_path
 from .common import Table, bounded, check_output_file, console, errors_to_exit, progress_bar, supervised
 from .data import DATA_DIR_HELP
@@ -69,7 +69,7 @@ def run_command(
         out = Path(output) if output else default_output(spec, recipe)
         gguf = get_format("gguf")
         gguf_path = out.with_name(gguf.output_name(out.name))  # beside the artifact, named by the format
-        artifact = _reusable(out, recipe) if not overwrite else None
+        artifact = _reusable(out, recipe, data_dir) if not overwrite else None
         if artifact is None:
             check_compress(model, recipe, out, overwrite=overwrite, data_dir=data_dir,
                            option="-o" if output else "the default output")
@@ -166,7 +166,9 @@ def _is_artifact(path: Path) -> bool:
     return is_artifact(path)
 
 
-def _reusable(path: Path, recipe: Recipe):
+def _reusable(path: Path, recipe: Recipe, data_dir=None):
+    """The artifact at ``path`` when it was compressed with ``recipe`` on the calibration windows the
+    recipe gives today (the same token ids: a changed data file, or windows now led by BOS, recompress)."""
     if not _is_artifact(path):
         return None
     try:
@@ -177,4 +179,16 @@ def _reusable(path: Path, recipe: Recipe):
         saved = Recipe.from_dict(art.manifest.get("recipe") or {}).to_dict()
     except (ConfigError, TypeError, ValueError):
         return None
-    return art if saved == recipe.to_dict() else None
+    if saved != recipe.to_dict():
+        return None
+    calibration = art.manifest.get("calibration")
+    if calibration is None:  # a method without calibration: the recipe is all it was made from
+        return art
+    from ..data.calibration import load_calibration
+
+    try:
+        now = load_calibration(recipe.calibration, art.load_tokenizer(), recipe.nsamples, recipe.seqlen, recipe.seed,
+                               data=data_dir)
+    except (SlmedgeError, OSError, ValueError):
+        return None  # compressing again says what is wrong with the data
+    return art if now.identity.get("tokens_sha256") == calibration.get("tokens_sha256") else None

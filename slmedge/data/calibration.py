@@ -15,6 +15,12 @@ every part and language gets an equal share of the windows (±1), whatever its t
 language its tokenizer splits finely would otherwise fill most windows). ``c4``, a file or a Hub
 dataset is one stream, sampled uniformly. The same spec, seed and tokenizer give the same token ids,
 byte for byte.
+
+A tokenizer that puts BOS before a text (Gemma's, Llama 3's) gets BOS as each window's first token
+and ``seqlen - 1`` tokens of text after it: the model is calibrated on what it sees in use, and on
+what ``llama-imatrix`` feeds it (it puts BOS first in each chunk). Without it, a BOS model's first
+position becomes the attention sink, with activations unlike any in use, and every calibrated
+method fits them.
 """
 
 from __future__ import annotations
@@ -152,6 +158,18 @@ def _hub_texts(spec: str, text_field: str) -> tuple[list[str], dict]:
                                                              "fingerprint": getattr(ds, "_fingerprint", None)}
 
 
+def adds_bos(tokenizer) -> bool:
+    """Whether ``tokenizer`` puts BOS before a text when asked for its special tokens, by what it does,
+    not by its ``add_bos_token`` attribute (transformers 5's Gemma tokenizer adds BOS through its
+    post-processor while that attribute reads False)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    full = tokenizer("a")["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return full[:1] == [bos] and full[1:] == plain
+
+
 def token_stream(tokenizer, texts: list[str], max_tokens: int | None = None) -> list[int]:
     """Token ids of the documents joined by a blank line (no special tokens)."""
     sep = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
@@ -172,13 +190,15 @@ def load_calibration(
 ) -> CalibrationSet:
     groups, origin = read_sources(spec, data, text_field)
     streams = [[token_stream(tokenizer, texts) for texts in group] for group in groups]
+    lead = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
+    text_len = seqlen - len(lead)  # the text tokens of a window
     parts = spec_parts(spec)
     for part, group in zip(parts, streams):
         for ids in group:
-            if len(ids) < seqlen + 1:
+            if len(ids) < text_len + 1:
                 what = f"calibration data '{spec}'" if len(streams) == 1 and len(group) == 1 else (
                     f"a source of calibration data '{part}'" if len(group) > 1 else f"calibration data '{part}'")
-                raise DataError(f"{what} has {len(ids)} tokens; one sample needs {seqlen}")
+                raise DataError(f"{what} has {len(ids)} tokens; one sample needs {text_len}")
     rng = random.Random(seed)
     taken = [0] * len(streams)  # windows each part has had: the parts, and a part's sources, take turns
     rows = []
@@ -186,8 +206,8 @@ def load_calibration(
         g = i % len(streams)
         ids = streams[g][taken[g] % len(streams[g])]
         taken[g] += 1
-        start = rng.randrange(0, len(ids) - seqlen + 1)
-        rows.append(ids[start : start + seqlen])
+        start = rng.randrange(0, len(ids) - text_len + 1)
+        rows.append(lead + ids[start : start + text_len])
     tokens = torch.tensor(rows, dtype=torch.long)
     identity = {
         "spec": spec,
@@ -195,6 +215,7 @@ def load_calibration(
         "nsamples": nsamples,
         "seqlen": seqlen,
         "seed": seed,
+        "bos": bool(lead),
         "stream_tokens": sum(len(ids) for group in streams for ids in group),
         "tokens_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(),
     }

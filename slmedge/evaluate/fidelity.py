@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import SlmedgeError
 from ..paths import cache_dir
-from .perplexity import _encode_enough, log_softmax_np, rolling_windows
+from .perplexity import _encode_enough, lead_tokens, log_softmax_np, rolling_windows
 
 PROBE = "The quick brown fox jumps over the lazy dog. Zürich, 2024: naïve café — 東京 and भारत."
 
@@ -99,7 +99,8 @@ def fidelity(candidate, reference, text: str, seqlen: int = 512, max_windows: in
     ref_rt, ref_enc = reference
     check_same_tokenizer(cand_enc, ref_enc, text)
     ids, _ = _encode_enough(cand_enc, text, seqlen, None, max_windows, with_bytes=False)  # the windows' tokens, not the whole corpus's
-    windows = [ids[a:b] for a, b, _ in rolling_windows(len(ids), seqlen, None, max_windows)]
+    lead = lead_tokens(cand_enc)  # BOS first where the tokenizer adds it, as in use
+    windows = [lead + ids[a:b] for a, b, _ in rolling_windows(len(ids), seqlen, None, max_windows, lead=len(lead))]
     with_hidden = cand_rt.hidden_states([1, 2]) is not None and ref_rt.hidden_states([1, 2]) is not None
     ref_lps, ref_hid, cached = reference_outputs(ref_rt, windows, reference_id or ref_rt.name, with_hidden, progress)
     kls, top1, dp2 = [], [], []

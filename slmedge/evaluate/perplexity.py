@@ -33,21 +33,26 @@ class PerplexityResult:
 
 
 def windows_of(tokenizer, text: str, seqlen: int, max_windows: int | None = None):
-    """Token windows (W, seqlen) and the UTF-8 byte count each window's predictions cover."""
+    """Token windows (W, seqlen) and the UTF-8 byte count each window's predictions cover. A tokenizer
+    that adds BOS gets it first in each window and ``seqlen - 1`` tokens of text, all predicted."""
+    from ..data.calibration import adds_bos
+
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    count = len(ids) // seqlen
+    lead = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
+    span = seqlen - len(lead)
+    count = len(ids) // span
     if max_windows is not None:
         count = min(count, max_windows)
     if count == 0:
-        raise DataError(f"the corpus has {len(ids)} tokens, shorter than one window of {seqlen}")
+        raise DataError(f"the corpus has {len(ids)} tokens, shorter than one window of {span}")
     windows, nbytes = [], []
     for w in range(count):
-        start, end = w * seqlen, (w + 1) * seqlen
-        windows.append(ids[start:end])
-        # Predicted tokens are start+1 .. end-1: the text from the first one's start to the
-        # last one's end.
-        a, b = offsets[start + 1][0], offsets[end - 1][1]
+        start, end = w * span, (w + 1) * span
+        windows.append(lead + ids[start:end])
+        # The predicted tokens: start+1 .. end-1 (start .. end-1 after a BOS), the text from the first
+        # one's start to the last one's end.
+        a, b = offsets[start + (0 if lead else 1)][0], offsets[end - 1][1]
         nbytes.append(len(text[a:b].encode("utf-8")))
     return torch.tensor(windows, dtype=torch.long), nbytes
 
@@ -88,26 +93,38 @@ def perplexity(model, tokenizer, text: str, seqlen: int = 2048, max_windows: int
 # --- any runtime ------------------------------------------------------------------------------
 
 
-def rolling_windows(n_tokens: int, seqlen: int, stride: int | None = None, max_windows: int | None = None):
+def rolling_windows(n_tokens: int, seqlen: int, stride: int | None = None, max_windows: int | None = None,
+                    lead: int = 0):
     """(start, stop, first_scored) per window: windows of ``seqlen`` tokens every ``stride``
     tokens; each token is scored once, in the first window that predicts it with the most context
-    (the Hugging Face strided-perplexity recipe; stride = seqlen gives non-overlapping windows)."""
-    stride = seqlen if stride is None else stride
-    if not 0 < stride <= seqlen:
+    (the Hugging Face strided-perplexity recipe; stride = seqlen gives non-overlapping windows).
+
+    ``lead``: tokens put before each window's text (a BOS, for a tokenizer that adds one): a window
+    then holds ``seqlen - lead`` text tokens, its first text token is scored too (predicted from the
+    BOS alone), and a stride is at most the text a window holds."""
+    span = seqlen - lead
+    stride = span if stride is None else min(stride, span)
+    if not 0 < stride <= span:
         raise DataError(f"stride must be in 1..{seqlen} (the window length), got {stride}")
-    if n_tokens < seqlen:
-        raise DataError(f"the corpus has {n_tokens} tokens, shorter than one window of {seqlen}")
-    out, scored_to = [], 1  # token 0 is never predicted
+    if n_tokens < span:
+        raise DataError(f"the corpus has {n_tokens} tokens, shorter than one window of {span}")
+    out, scored_to = [], (0 if lead else 1)  # without a lead, token 0 is never predicted
     start = 0
-    while start + seqlen <= n_tokens:
-        stop = start + seqlen
-        first = max(scored_to, start + 1)
+    while start + span <= n_tokens:
+        stop = start + span
+        first = max(scored_to, start + (0 if lead else 1))
         out.append((start, stop, first))
         scored_to = stop
         if max_windows is not None and len(out) >= max_windows:
             break
         start += stride
     return out
+
+
+def lead_tokens(encoder) -> list[int]:
+    """What each evaluation window starts with before its text: BOS for a tokenizer that adds one
+    (Gemma's, Llama 3's), as ``llama-perplexity`` and lm-eval put it; nothing otherwise."""
+    return [encoder.bos_id] if getattr(encoder, "adds_bos", False) and encoder.bos_id is not None else []
 
 
 def log_softmax_np(x):
@@ -129,15 +146,16 @@ def runtime_perplexity(runtime, encoder, text: str, seqlen: int = 512, stride: i
     from .tokens import covered_bytes
 
     ids, ends = _encode_enough(encoder, text, seqlen, stride, max_windows)
-    wins = rolling_windows(len(ids), seqlen, stride, max_windows)
+    lead = lead_tokens(encoder)
+    wins = rolling_windows(len(ids), seqlen, stride, max_windows, lead=len(lead))
     nlls, total_bytes, kept = [], 0, []
-    windows = [ids[start:stop] for start, stop, _ in wins]
+    windows = [lead + ids[start:stop] for start, stop, _ in wins]
     # Each next token's log-probability (the runtime reduces the logits; a remote target sends back
     # one number per token, not a vocabulary-wide row). The windows go in together, so a runtime that
     # runs many in one pass (torch; streamed, it reads each block once per pass) can.
     scores = runtime.sequence_scores(windows)
     for i, ((start, stop, first), window, (lp, _)) in enumerate(zip(wins, windows, scores)):
-        k = first - start  # first scored position within the window
+        k = first - start + len(lead)  # first scored position within the window
         nlls.append(-np.asarray(lp[k - 1 :], dtype=np.float64))
         total_bytes += covered_bytes(ends, first, stop)
         kept.append((window, k))

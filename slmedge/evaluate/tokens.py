@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models.gguf_tokenizer import adds_bos
+from ..data.calibration import adds_bos
 
 
 class Encoder:

@@ -77,7 +77,8 @@ def _logits(load_llama, gguf_path, token_ids: list[int], n_threads: int | None) 
 
 def check_against_llamacpp(model, tokenizer, gguf_path, text: str = PROBE) -> dict:
     """Compare logits on ``text``; raise :class:`GGUFImportMismatchError` when they disagree."""
-    from .gguf_tokenizer import TOKENIZER_PROBE, adds_bos
+    from ..data.calibration import adds_bos
+    from .gguf_tokenizer import TOKENIZER_PROBE
 
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     with vocab_only(gguf_path) as llm:

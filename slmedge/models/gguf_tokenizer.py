@@ -96,18 +96,6 @@ def spm_bpe_state(state: dict, tokens: list[str], token_types: list[int]) -> dic
     return new
 
 
-def adds_bos(tokenizer) -> bool:
-    """Whether ``tokenizer`` puts BOS before a text when asked for its special tokens, by what it does,
-    not by its ``add_bos_token`` attribute (transformers 5's Gemma tokenizer adds BOS through its
-    post-processor while that attribute reads False)."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return False
-    full = tokenizer("a")["input_ids"]
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    return full[:1] == [bos] and full[1:] == plain
-
-
 def repair_gguf_tokenizer(tokenizer, gguf_path: Path) -> str | None:
     """Rebuild ``tokenizer`` in place when transformers read a SentencePiece-BPE GGUF vocabulary
     as Unigram; returns what was done (for the import record) or None when nothing was needed."""

@@ -28,7 +28,7 @@ from ..errors import ModelLoadError, ModelNotFoundError, RuntimeNotInstalledErro
 from ..fsutil import atomic_directory, output_lock, sha256_file, temp_name, write_json_atomic
 from ..paths import cache_dir
 from .architectures import Architecture, architecture_for, exact_attention
-from .gguf_tokenizer import adds_bos
+from ..data.calibration import adds_bos
 from .remote_code import refuse_code, refuse_config
 from .artifact_format import (QUANT_FILE, V1_WEIGHTS_FILE, WEIGHTS_FILE, format_version, is_artifact, open_manifest,
                               safetensors_header)
