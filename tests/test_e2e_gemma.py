@@ -113,8 +113,8 @@ def test_gemma3_torch_and_llama_cpp_agree_on_perplexity(gemma):
         t, c = _torch_and_llama_cpp_perplexity((lm.hf_dir, gguf), lang, windows)
         assert t.tokens == c.tokens and t.bytes == c.bytes
         # Q4_K_M: llama.cpp multiplies with 8-bit-quantized activations, torch with the
-        # dequantized weights in fp32. Measured: en 4 x 512 torch 52.34, llama.cpp 53.46 (+2.1%);
-        # SmolLM2's Q4_1 file +0.5% at the same settings.
+        # dequantized weights in fp32. Measured (windows led by BOS, as Gemma is used): en 4 x 512 torch
+        # 20.25, llama.cpp 20.47 (+1.1%); th 2 x 512 21.47, 21.67 (+0.9%).
         assert abs(c.perplexity / t.perplexity - 1) < 0.05, (lang, t.perplexity, c.perplexity)
 
 
@@ -166,13 +166,14 @@ def gemma_base_ppl(gemma, tmp_path_factory):
     return _evaluate_en("gemma3-270m", tmp_path_factory.mktemp("base"))
 
 
-# Measured on these tokens (base 256.0; 4 x 64 calibration tokens): GPTQ W4 g32 sym 307.2, AWQ W4 g32 243.2,
-# Wanda 50% 489.7, SparseGPT 50% 1318.5 (RTN W4 g32 sym, no calibration: 473.7). The bounds leave room.
+# Measured on these tokens, windows led by BOS (base 31.4; 4 x 64 calibration tokens): GPTQ W4 g32 sym 37.5,
+# AWQ W4 g32 32.7, Wanda 50% 79.8, SparseGPT 50% 143.7 (RTN W4 g32 sym, no calibration: 42.5). The bounds
+# leave room.
 @pytest.mark.parametrize("method,args,bound", [
     ("gptq", ["--bits", "4", "--group-size", "32", "--sym"], 1.6),
     ("awq", ["--bits", "4", "--group-size", "32", "--awq-grid", "5"], 1.6),
     ("wanda", ["--sparsity", "0.5"], 4),
-    ("sparsegpt", ["--sparsity", "0.5"], 10),
+    ("sparsegpt", ["--sparsity", "0.5"], 6),
 ])
 def test_every_calibrated_method_compresses_gemma3_and_the_result_evaluates(gemma, gemma_base_ppl, method, args,
                                                                             bound, tmp_path):
