@@ -27,7 +27,9 @@ Caveat printed with it: the embedded models' only weights are a Q4_1 GGUF (SmolL
 (Gemma 3): a quantizer that lands on those grids looks better than it would on a 16-bit model.
 
 Runs one step after another (never two timed things at once). Resumable: a file or score already
-in WORK is reused when its inputs are unchanged (each step's inputs are in its ``.json`` beside it).
+in WORK is reused when its inputs are unchanged (each step's inputs are in its ``.json`` beside it;
+everything slmedge made or scored counts slmedge's own source among them, so a changed slmedge
+makes its files and all scores again, and llama.cpp's files when the base or the text changed).
 
     .venv/bin/python scripts/bench_gguf.py                       # both embedded models, all rows
     .venv/bin/python scripts/bench_gguf.py --models smollm2-135m --nsamples 32 --methods none
@@ -119,6 +121,9 @@ def build_tools(root: Path, jobs: int) -> dict[str, Path]:
 # --- steps, each reused while its inputs are unchanged -----------------------------------------
 
 
+CODE = ""  # slmedge's source digest (main sets it): part of the inputs of everything slmedge computes
+
+
 def fresh(out: Path, inputs: dict) -> bool:
     stamp = out.with_name(out.name + ".inputs.json")
     return out.exists() and stamp.is_file() and json.loads(stamp.read_text()) == inputs
@@ -179,7 +184,7 @@ def tokens_seen(log_file: Path) -> str:
 def score(file: Path, model: str, work: Path, args) -> dict:
     out = file.with_name(file.name + ".score.json")
     inputs = {"file": digest(file), "reference": model, "fidelity_windows": args.fidelity_windows,
-              "ppl_windows": args.ppl_windows, "latency": args.latency, "threads": args.threads}
+              "ppl_windows": args.ppl_windows, "latency": args.latency, "threads": args.threads, "slmedge": CODE}
     if fresh(out, inputs):
         return json.loads(out.read_text())
     from slmedge.evaluate.api import EvalSettings, evaluate
@@ -235,6 +240,10 @@ def main() -> int:
     from slmedge.compress.recipe import Recipe
     from slmedge.data.calibration import calibration_sources
     from slmedge.errors import DataError
+    from slmedge.study.inputs import slmedge_digest
+
+    global CODE
+    CODE = slmedge_digest()  # every file and score slmedge made is made again after its code changed
 
     args.calibration = args.calibration or Recipe.calibration
     try:
@@ -248,11 +257,13 @@ def main() -> int:
         (work / "logs").mkdir(parents=True, exist_ok=True)
         files: dict[str, tuple[str, Path]] = {}  # row label -> (producer, file)
         base = work / "base-f16.gguf"
-        if not base.is_file():
+        if not fresh(base, {"model": model, "slmedge": CODE}):
             run(slmedge("export", model, "--format", "gguf", "--type", "f16", "-o", base, "--overwrite"),
                 "base f16 GGUF", work / "logs" / "base.log")
+            stamp(base, {"model": model, "slmedge": CODE})
         calib = work / "calibration.txt"
-        cal_inputs = {"model": model, "calibration": args.calibration, "nsamples": args.nsamples, "seqlen": args.seqlen}
+        cal_inputs = {"model": model, "calibration": args.calibration, "nsamples": args.nsamples, "seqlen": args.seqlen,
+                      "slmedge": CODE}
         if not fresh(calib, cal_inputs):
             calibration_text(model, calib, args.calibration, args.nsamples, args.seqlen)
             stamp(calib, cal_inputs)
@@ -284,7 +295,7 @@ def main() -> int:
             files[label] = ("llama.cpp", out)
         for qtype in args.types if args.interop else ():  # slmedge's own path to llama.cpp's quantizer, its matrix
             out = work / f"slmedge-{qtype.lower()}-imatrix.gguf"
-            inputs = {"model": model, "type": qtype, "imatrix": digest(ours_imx)}
+            inputs = {"model": model, "type": qtype, "imatrix": digest(ours_imx), "slmedge": CODE}
             if not fresh(out, inputs):
                 run(slmedge("export", model, "--format", "gguf", "--type", qtype.lower(), "--imatrix", ours_imx, "-o",
                             out, "--overwrite", "--no-verify"), f"slmedge export {qtype} --imatrix",
@@ -296,7 +307,7 @@ def main() -> int:
             art = work / f"artifact-{label}"
             out = work / f"slmedge-{label}-{qtype}.gguf"
             inputs = {"model": model, "opts": opts, "calibration": args.calibration, "nsamples": args.nsamples,
-                      "seqlen": args.seqlen, "type": qtype}
+                      "seqlen": args.seqlen, "type": qtype, "slmedge": CODE}
             if not fresh(out, inputs):
                 run(slmedge("compress", model, *opts, "--calibration", args.calibration, "--nsamples", args.nsamples,
                             "--seqlen", args.seqlen, "-o", art, "--overwrite"), f"compress {label}", work / "logs" / f"compress-{label}.log")
