@@ -22,7 +22,9 @@ What a llama.cpp user gets for free, measured side by side with what slmedge wri
 7. With ``--latency``: decode speed of slmedge's files against llama.cpp's imatrix file of the same block
    types (IQ4_XS, Q4_0, Q4_1, Q6_K), measured in turns over ``--decode-rounds`` rounds (the ratio).
 
-The table is printed (markdown) and written with every number to ``WORK/MODEL/results.json``.
+The table is printed (markdown) and written with every number to ``WORK/MODEL/results.json``, and
+after it the goal: for each llama.cpp imatrix file, slmedge's file of equal or smaller size that is
+lower on both mean KL and perplexity (or the nearest miss), caveat rows marked.
 Caveat printed with it: the embedded models' only weights are a Q4_1 GGUF (SmolLM2) and a Q4_K_M one
 (Gemma 3): a quantizer that lands on those grids looks better than it would on a 16-bit model.
 
@@ -323,9 +325,11 @@ def main() -> int:
                            "on_base_grid": on_base_grid(file, model)}
         summary[model] = rows
         print_table(model, rows)
+        goal = goal_rows(rows)
+        print_goal(model, goal, rows)
         speeds = decode_pairs(rows, work, model, args) if args.latency else {}
         (work / "results.json").write_text(json.dumps({"model": model, "args": {k: str(v) for k, v in vars(args).items()},
-                                                       "imatrix_agreement": agreement, "rows": rows,
+                                                       "imatrix_agreement": agreement, "rows": rows, "goal": goal,
                                                        "decode_pairs": speeds}, indent=2))
     return 0
 
@@ -437,6 +441,49 @@ def print_table(model: str, rows: dict) -> None:
         print(f"\nCaveat: {model}'s only weights are a {caveat} GGUF; rows marked store at least half of its "
               f"quantized tensors in a block type that holds the base's type exactly (its own, or a wider one: Q5_1 "
               f"holds Q4_1), so they can land back on its grid.")
+
+
+def caveat_mark(row: dict) -> str:
+    share = row.get("on_base_grid")
+    return f" (caveat: {share:.0%})" if share is not None and share >= 0.5 else ""
+
+
+def goal_rows(rows: dict) -> list[dict]:
+    """The benchmark's goal, per llama.cpp imatrix file (smallest first): slmedge's file of equal or smaller
+    size that is lower on both mean KL and perplexity (off the caveat first, then the lowest KL), else the
+    one of lowest KL likewise;
+    ``verdict``: yes, KL only, perplexity only, no, or none (no slmedge file that small)."""
+    scored = {k: r for k, r in rows.items() if r.get("mean_kl") is not None and r.get("ppl_geomean")}
+    ours = {k: r for k, r in scored.items() if r["producer"] == "slmedge"}
+    out = []
+    for label, theirs in sorted(((k, r) for k, r in scored.items() if k.endswith(" llama-imatrix")),
+                                key=lambda kv: (kv[1]["bytes"], kv[0])):
+        fit = {k: r for k, r in ours.items() if r["bytes"] <= theirs["bytes"]}
+        both = {k: r for k, r in fit.items()
+                if r["mean_kl"] < theirs["mean_kl"] and r["ppl_geomean"] < theirs["ppl_geomean"]}
+        pick = min(both or fit, key=lambda k: (bool(caveat_mark(fit[k])), fit[k]["mean_kl"], k)) if fit else None
+        row = {"llama": label, "slmedge": pick, "verdict": "none"}
+        if pick is not None:
+            kl, ppl = fit[pick]["mean_kl"] < theirs["mean_kl"], fit[pick]["ppl_geomean"] < theirs["ppl_geomean"]
+            row["verdict"] = {(True, True): "yes", (True, False): "KL only", (False, True): "perplexity only",
+                              (False, False): "no"}[(kl, ppl)]
+        out.append(row)
+    return out
+
+
+def print_goal(model: str, goal: list[dict], rows: dict) -> None:
+    print(f"\n#### {model}: each llama.cpp imatrix file against slmedge's file of equal or smaller size\n")
+    print("| llama.cpp imatrix file | MB | KL / ppl | slmedge file | MB | KL / ppl | both lower? |")
+    print("|---|---:|---|---|---:|---|---|")
+    for g in goal:
+        t = rows[g["llama"]]
+        mine = rows[g["slmedge"]] if g["slmedge"] else None
+        ours = (f"{g['slmedge']}{caveat_mark(mine)} | {mine['bytes'] / 1e6:.1f} | {mine['mean_kl']:.4f} / "
+                f"{mine['ppl_geomean']:.2f}") if mine else "- | - | -"
+        print(f"| {g['llama']}{caveat_mark(t)} | {t['bytes'] / 1e6:.1f} | {t['mean_kl']:.4f} / {t['ppl_geomean']:.2f} | "
+              f"{ours} | {g['verdict']} |")
+    won = sum(g["verdict"] == "yes" for g in goal)
+    print(f"\nThe goal (a slmedge file of equal or smaller size lower on both) holds at {won} of {len(goal)} sizes.")
 
 
 if __name__ == "__main__":
