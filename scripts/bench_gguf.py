@@ -451,7 +451,7 @@ def caveat_mark(row: dict) -> str:
 def goal_rows(rows: dict) -> list[dict]:
     """The benchmark's goal, per llama.cpp imatrix file (smallest first): slmedge's file of equal or smaller
     size that is lower on both mean KL and perplexity (off the caveat first, then the lowest KL), else the
-    one of lowest KL likewise;
+    nearest miss (lower on one of them, then the lowest KL);
     ``verdict``: yes, KL only, perplexity only, no, or none (no slmedge file that small)."""
     scored = {k: r for k, r in rows.items() if r.get("mean_kl") is not None and r.get("ppl_geomean")}
     ours = {k: r for k, r in scored.items() if r["producer"] == "slmedge"}
@@ -459,9 +459,10 @@ def goal_rows(rows: dict) -> list[dict]:
     for label, theirs in sorted(((k, r) for k, r in scored.items() if k.endswith(" llama-imatrix")),
                                 key=lambda kv: (kv[1]["bytes"], kv[0])):
         fit = {k: r for k, r in ours.items() if r["bytes"] <= theirs["bytes"]}
-        both = {k: r for k, r in fit.items()
-                if r["mean_kl"] < theirs["mean_kl"] and r["ppl_geomean"] < theirs["ppl_geomean"]}
-        pick = min(both or fit, key=lambda k: (bool(caveat_mark(fit[k])), fit[k]["mean_kl"], k)) if fit else None
+        lost = {k: (r["mean_kl"] >= theirs["mean_kl"]) + (r["ppl_geomean"] >= theirs["ppl_geomean"]) for k, r in fit.items()}
+        both = [k for k in fit if not lost[k]]
+        pick = (min(both, key=lambda k: (bool(caveat_mark(fit[k])), fit[k]["mean_kl"], k)) if both else
+                min(fit, key=lambda k: (lost[k], fit[k]["mean_kl"], k)) if fit else None)
         row = {"llama": label, "slmedge": pick, "verdict": "none"}
         if pick is not None:
             kl, ppl = fit[pick]["mean_kl"] < theirs["mean_kl"], fit[pick]["ppl_geomean"] < theirs["ppl_geomean"]
