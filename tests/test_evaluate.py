@@ -74,7 +74,7 @@ def test_a_bos_tokenizers_windows_start_with_bos_and_score_every_text_token(tiny
     # As llama-perplexity and lm-eval score a model whose tokenizer adds BOS: each window is BOS and
     # seqlen - 1 tokens of text, every text token scored once (the first from BOS alone).
     sys.path.insert(0, str(Path(__file__).parent))
-    from tiny import bos_tokenizer
+    from tiny import bos_led_nll, bos_tokenizer
 
     for stride in (None, 63, 64, 40):  # a stride is at most the text a window holds
         wins = rolling_windows(1000, 64, stride, lead=1)
@@ -86,12 +86,7 @@ def test_a_bos_tokenizers_windows_start_with_bos_and_score_every_text_token(tiny
     model = AutoModelForCausalLM.from_pretrained(tiny_models("llama"))
     res, kept = runtime_perplexity(TorchRuntime(model), enc, TEXT, seqlen=64, max_windows=3)
     ids, ends = enc.encode_with_bytes(TEXT)
-    total = 0.0
-    with torch.no_grad():
-        for w in range(3):
-            window = torch.tensor([enc.bos_id] + ids[w * 63 : (w + 1) * 63])
-            logp = torch.log_softmax(model(window[None]).logits[0].double(), -1)
-            total -= sum(float(logp[t - 1, window[t]]) for t in range(1, 64))
+    total = bos_led_nll(model, enc.bos_id, ids, 63, 3)
     assert res.tokens == 3 * 63 and res.windows == 3 and all(w[0] == enc.bos_id and k == 1 for w, k in kept)
     assert math.isclose(res.nll, total / (3 * 63), rel_tol=1e-5)
     assert res.bytes == int(ends[3 * 63 - 1])  # from the text's first byte: its first token is scored too

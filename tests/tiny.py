@@ -119,6 +119,18 @@ def bos_tokenizer(model_type: str | None = None):
     return tok
 
 
+def bos_led_nll(model, bos: int, ids: list[int], span: int, windows: int) -> float:
+    """Total NLL (nats), by hand, of ``windows`` windows of BOS + ``span`` text tokens of ``ids``, every
+    text token scored (the first from BOS alone)."""
+    total = 0.0
+    with torch.no_grad():
+        for w in range(windows):
+            window = torch.tensor([bos] + ids[w * span : (w + 1) * span])
+            logp = torch.log_softmax(model(window[None]).logits[0].double(), -1)
+            total -= sum(float(logp[t - 1, window[t]]) for t in range(1, span + 1))
+    return total
+
+
 def tiny_model(model_type: str, seed: int = 0, layers: int = 2, wide: bool = False):
     from transformers import AutoModelForCausalLM
 
