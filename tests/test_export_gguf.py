@@ -22,6 +22,7 @@ from slmedge.export import gguf_vocab as gv
 from slmedge.export.gguf import export_gguf
 from slmedge.export.gguf_quant import permute_rows, unpermute_rows
 from slmedge.export.gguf_vocab import pre_tokenizer_name
+from slmedge.export.inspect import pack_tensors, read_gguf_manifest, unpack_tensors
 
 # (model type, method, recipe overrides, GGUF type the codes must land in)
 CASES = [
@@ -105,7 +106,7 @@ def test_every_gguf_architecture_f32_matches_torch_and_names_itself(model_type, 
     assert v["tokenizer_agrees"] and v["mean_kl"] < 1e-5 and v["top1_agreement"] > 0.97
     _, fields, tensors = read(out)
     assert fields["general.architecture"] == gx.GGUF_ARCHITECTURES[model_type].arch.lower()
-    manifest = json.loads(fields["slmedge.manifest"])
+    manifest = read_gguf_manifest(out, fields)
     assert manifest["qtype"] == "f32" and manifest["source_kind"] == "hf_dir"
     assert set(manifest["tensors"]) <= set(tensors)
     if model_type == "phi3":  # fused projections as llama.cpp's phi3 expects them
@@ -176,12 +177,36 @@ def test_k_quants_go_through_llamacpp_with_a_warning_and_the_manifest_says_so(ar
         report = export_gguf(art_dir, tmp_path / "m.gguf", qtype="q4_k_m")
     assert report["codes_kept"] == 0 and report["requantized_by_llamacpp"] > 0 and not report["exact"]
     _, fields, _ = read(tmp_path / "m.gguf")
-    manifest = json.loads(fields["slmedge.manifest"])
+    manifest = read_gguf_manifest(tmp_path / "m.gguf", fields)
     assert manifest["tensors"]["blk.0.ffn_up.weight"]["type"] == "requantized by llama.cpp (q4_k_m)"
     assert manifest["tensors"]["blk.0.ffn_up.weight"]["codes_kept"] is False
     with pytest.raises(GGUFExportError, match="cannot be kept"):
         export_gguf(art_dir, tmp_path / "e.gguf", qtype="q4_k_m", exact=True)
     assert not (tmp_path / "e.gguf").exists()
+
+
+def test_the_manifest_names_the_blocks_that_share_an_entry_once_and_reads_back_per_tensor():
+    q4 = {"codes_kept": True, "grid": "Q4_K", "type": "Q4_K"}
+    q6 = {"codes_kept": True, "grid": "Q6_K", "type": "Q6_K"}
+    norm = {"codes_kept": False, "type": "F32"}
+    entries = {"token_embd.weight": {"codes_kept": False, "type": "Q6_K"}, "output_norm.weight": norm}
+    for i in range(30):
+        entries[f"blk.{i}.attn_norm.weight"] = norm
+        entries[f"blk.{i}.attn_q.weight"] = {**q4, "sparsity": 0.5} if i == 12 else q4
+        entries[f"blk.{i}.ffn_down.weight"] = q6 if i in (0, 1, 2, 7, 29) else q4
+    packed = pack_tensors(entries)
+    assert packed == {"token_embd.weight": entries["token_embd.weight"], "output_norm.weight": norm,
+                      "blk.{0-29}.attn_norm.weight": norm,
+                      "blk.{0-11,13-29}.attn_q.weight": q4, "blk.12.attn_q.weight": {**q4, "sparsity": 0.5},
+                      "blk.{0-2,7,29}.ffn_down.weight": q6, "blk.{3-6,8-28}.ffn_down.weight": q4}
+    assert unpack_tensors(packed) == entries
+    assert len(json.dumps(packed)) * 10 < len(json.dumps(entries))
+    assert unpack_tensors(entries) == entries  # a manifest written one key per tensor reads the same
+    for hostile in ({"blk.{0-99999999}.attn_q.weight": q4}, {"blk.{5-2}.attn_q.weight": q4},
+                    {"blk.{1-}.attn_q.weight": q4}, {"blk.{0,,2}.attn_q.weight": q4},
+                    {"blk.{0-1}.attn_q.weight": q4, "blk.1.attn_q.weight": q6}):
+        with pytest.raises(ValueError, match="manifest"):
+            unpack_tensors(hostile)
 
 
 # --- codes -> blocks ----------------------------------------------------------------------------
@@ -197,8 +222,10 @@ def test_artifact_codes_reach_gguf_blocks_unchanged(model_type, method, kw, qtyp
     art = Artifact.open(art_dir)
     layers = art.layers()
     assert report["codes_kept"] == len(layers)
-    manifest = json.loads(read(out)[1]["slmedge.manifest"])
+    manifest = read_gguf_manifest(out)
     assert sum(t["codes_kept"] for t in manifest["tensors"].values()) == len(layers)
+    stored = json.loads(read(out)[1]["slmedge.manifest"])["tensors"]  # one key per kind of tensor
+    assert len(stored) < len(manifest["tensors"]) and unpack_tensors(stored) == manifest["tensors"]
     model = art.load_model()
     _, _, tensors = read(out)
     heads = {"self_attn.q_proj": 4, "self_attn.k_proj": 4 if model_type == "llama" else 2}

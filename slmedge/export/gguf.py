@@ -38,7 +38,7 @@ from .gguf_blocks import pack_blocks
 from .gguf_quant import (QTYPES, QType, cannot_place, check_requantized, codes_to_blocks,  # noqa: F401 - re-exported
                          grids_qtype, llamacpp_quantize, permute_rows, unpermute_rows)
 from .gguf_vocab import add_tokenizer, model_name, pre_tokenizer_name  # noqa: F401 - re-exported
-from .inspect import MANIFEST_KEY, gguf_model_facts, gguf_rows, inspect_gguf, read_gguf_manifest
+from .inspect import MANIFEST_KEY, gguf_model_facts, gguf_rows, inspect_gguf, pack_tensors, read_gguf_manifest
 from .source import ExportSource, iter_weights, open_export_source, weight_shapes
 from .verify import check_logits, probe_text, source_tokenizer, torch_logits
 
@@ -469,8 +469,9 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         "recipe": (src.artifact.manifest.get("recipe") if src.artifact is not None else None),
         "qtype": target.name,
         "imatrix": imatrix_info,
-        "tensors": {n: {k: v for k, v in t.items() if k in ("type", "codes_kept", "grid", "sparsity", "requantized_because")}
-                    for n, t in report_tensors.items()},
+        "tensors": pack_tensors({n: {k: v for k, v in t.items()
+                                     if k in ("type", "codes_kept", "grid", "sparsity", "requantized_because")}
+                                 for n, t in report_tensors.items()}),
     }
     ftype = gguf.LlamaFileType[target.ftype]
     tmp = _tmp_name(out)

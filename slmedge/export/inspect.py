@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -62,14 +63,89 @@ def _what_inspect_takes(formats) -> str:
 
 
 def read_gguf_manifest(path, metadata: dict | None = None) -> dict | None:
-    """The manifest a GGUF export carries (None: the file has none; ValueError: unreadable).
-    ``metadata``: the file's key/value metadata when already read (gguf's reader or llama.cpp's)."""
+    """The manifest a GGUF export carries, its ``tensors`` one entry per tensor (``unpack_tensors``);
+    None: the file has none; ValueError: unreadable. ``metadata``: the file's key/value metadata when
+    already read (gguf's reader or llama.cpp's)."""
     if metadata is None:
         import gguf
 
         field = gguf.GGUFReader(str(path)).fields.get(MANIFEST_KEY)
         metadata = {MANIFEST_KEY: field.contents()} if field is not None else {}
-    return json.loads(metadata[MANIFEST_KEY]) if MANIFEST_KEY in metadata else None
+    if MANIFEST_KEY not in metadata:
+        return None
+    manifest = json.loads(metadata[MANIFEST_KEY])
+    if isinstance(manifest, dict) and isinstance(manifest.get("tensors"), dict):
+        manifest["tensors"] = unpack_tensors(manifest["tensors"])
+    return manifest
+
+
+# A GGUF's manifest says per tensor what slmedge did with it (type, codes kept, grid, sparsity). Written
+# one key per tensor it is ~20 kB for a 30-block model, more than the metadata llama-quantize writes
+# into its files, and nearly all of it repeats: the same entry for a tensor in every block. So the
+# blocks that share an entry share one key, their numbers as ranges: "blk.{0-3,7,9-29}.ffn_down.weight".
+# A plain name is a key of one tensor, so the manifests written one key per tensor read the same.
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+_BLOCK_KEY = re.compile(r"blk\.\{([0-9,-]+)\}\.(.+)")
+MAX_PACKED_BLOCKS = 1 << 16  # more blocks than any GGUF has: a key naming more is not slmedge's
+
+
+def _ranges(numbers: list[int]) -> str:
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def pack_tensors(entries: dict[str, dict]) -> dict[str, dict]:
+    """``entries`` (tensor name -> entry), the blocks of each tensor that share an entry under one key."""
+    packed: dict[str, dict] = {}
+    groups: dict[tuple[str, str], list[int]] = {}
+    examples: dict[tuple[str, str], dict] = {}
+    for name, entry in entries.items():
+        m = _BLOCK_NAME.fullmatch(name)
+        if m is None:
+            packed[name] = entry
+            continue
+        key = (m.group(2), json.dumps(entry, sort_keys=True, default=str))
+        groups.setdefault(key, []).append(int(m.group(1)))
+        examples[key] = entry
+    for (rest, signature), blocks in groups.items():
+        name = f"blk.{blocks[0]}.{rest}" if len(blocks) == 1 else f"blk.{{{_ranges(blocks)}}}.{rest}"
+        packed[name] = examples[(rest, signature)]
+    return packed
+
+
+def unpack_tensors(packed: dict) -> dict[str, dict]:
+    """The manifest's ``tensors`` (``pack_tensors``'s keys, or one key per tensor) as one entry per
+    tensor. ValueError: a key that is not slmedge's (a range backwards or past MAX_PACKED_BLOCKS, a
+    tensor named twice)."""
+    out: dict[str, dict] = {}
+
+    def put(name: str, entry) -> None:
+        if name in out:
+            raise ValueError(f"the manifest names tensor {name} twice")
+        out[name] = entry
+
+    for key, entry in packed.items():
+        m = _BLOCK_KEY.fullmatch(key)
+        if m is None:
+            put(key, entry)
+            continue
+        count = 0
+        for part in m.group(1).split(","):
+            first, dash, last = part.partition("-")
+            if not first.isdigit() or (dash and not last.isdigit()):
+                raise ValueError(f"the manifest's tensor key {key!r} is not a list of block ranges")
+            a, b = int(first), int(last or first)
+            count += b - a + 1
+            if b < a or count > MAX_PACKED_BLOCKS:
+                raise ValueError(f"the manifest's tensor key {key!r} names blocks out of range")
+            for i in range(a, b + 1):
+                put(f"blk.{i}.{m.group(2)}", entry)
+    return out
 
 
 def read_export_manifest(path) -> dict | None:
