@@ -200,6 +200,9 @@ def test_the_manifest_names_the_blocks_that_share_an_entry_once_and_reads_back_p
                       "blk.{0-11,13-29}.attn_q.weight": q4, "blk.12.attn_q.weight": {**q4, "sparsity": 0.5},
                       "blk.{0-2,7,29}.ffn_down.weight": q6, "blk.{3-6,8-28}.ffn_down.weight": q4}
     assert unpack_tensors(packed) == entries
+    order = list(unpack_tensors(packed))  # block by block, as `slmedge inspect --tensors` lists them
+    assert order[:4] == ["blk.0.attn_norm.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.1.attn_norm.weight"]
+    assert order[-2:] == ["output_norm.weight", "token_embd.weight"]
     assert len(json.dumps(packed)) * 10 < len(json.dumps(entries))
     assert unpack_tensors(entries) == entries  # a manifest written one key per tensor reads the same
     for hostile in ({"blk.{0-99999999}.attn_q.weight": q4}, {"blk.{5-2}.attn_q.weight": q4},

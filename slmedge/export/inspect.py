@@ -120,7 +120,7 @@ def pack_tensors(entries: dict[str, dict]) -> dict[str, dict]:
 
 def unpack_tensors(packed: dict) -> dict[str, dict]:
     """The manifest's ``tensors`` (``pack_tensors``'s keys, or one key per tensor) as one entry per
-    tensor. ValueError: a key that is not slmedge's (a range backwards or past MAX_PACKED_BLOCKS, a
+    tensor, block by block (``_tensor_order``). ValueError: a key that is not slmedge's (a range backwards or past MAX_PACKED_BLOCKS, a
     tensor named twice)."""
     out: dict[str, dict] = {}
 
@@ -145,7 +145,13 @@ def unpack_tensors(packed: dict) -> dict[str, dict]:
                 raise ValueError(f"the manifest's tensor key {key!r} names blocks out of range")
             for i in range(a, b + 1):
                 put(f"blk.{i}.{m.group(2)}", entry)
-    return out
+    return dict(sorted(out.items(), key=lambda kv: _tensor_order(kv[0])))
+
+
+def _tensor_order(name: str):
+    """Block by block in number order, each block's tensors by name; the tensors outside blocks by name."""
+    m = _BLOCK_NAME.fullmatch(name)
+    return ("blk", int(m.group(1)), m.group(2)) if m else (name, -1, "")
 
 
 def read_export_manifest(path) -> dict | None:
