@@ -15,7 +15,9 @@ What a llama.cpp user gets for free, measured side by side with what slmedge wri
    Q4_1 Q4_K_M Q5_K_M Q6_K) and Q4_0 without one; the same types by ``llama-quantize`` with slmedge's
    matrix (llama.cpp reading slmedge's file: the interoperability check) and by ``slmedge export
    --imatrix`` (slmedge's own path to llama.cpp's quantizer); slmedge's calibrated methods with their
-   codes kept (``--methods``: RTN/GPTQ W4 g32 sym -> Q4_0, AWQ/RTN W4 g32 asym -> Q4_1).
+   codes kept (``--methods``: RTN/GPTQ W4 g32 sym -> Q4_0, AWQ/RTN W4 g32 asym -> Q4_1, on llama.cpp's
+   grids, or mixed to a bits-per-weight budget); with ``--match-sizes``, a method mixed to each llama.cpp
+   imatrix file's own bits per weight (a hair under), so every size has a slmedge file no larger.
 6. Every file scored by ``slmedge evaluate`` in llama.cpp: mean KL and top-1 against the base model
    in torch (``--fidelity-windows`` x 512 WikiText-2 tokens), perplexity in the shipped languages
    and WikiText-2 (geometric mean), decode tokens/s (``--latency``).
@@ -35,6 +37,7 @@ makes its files and all scores again, and llama.cpp's files when the base or the
 
     .venv/bin/python scripts/bench_gguf.py                       # both embedded models, all rows
     .venv/bin/python scripts/bench_gguf.py --models smollm2-135m --nsamples 32 --methods none
+    .venv/bin/python scripts/bench_gguf.py --types Q4_K_M Q5_K_M --methods none --match-sizes gptq rtn-q4_k+q6_k
 """
 
 from __future__ import annotations
@@ -226,19 +229,23 @@ def main() -> int:
     ap.add_argument("--decode-rounds", type=int, default=5, help="rounds of the same-type decode comparison")
     ap.add_argument("--no-interop", dest="interop", action="store_false", help="leave out the rows made with "
                     "slmedge's importance matrix (llama-quantize reading it, slmedge export --imatrix): the comparison alone")
+    ap.add_argument("--match-sizes", nargs="+", default=[], metavar="METHOD[-G1+G2...]", help="also, per llama.cpp "
+                    "imatrix file, METHOD mixed to that file's bits per weight of the linears (a hair under: "
+                    "METHOD-bpwB with B from the file), so every size has a slmedge file of equal or smaller size; "
+                    "with grids, a mix of those only (gptq-q4_k+q6_k)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--work", type=Path, default=ROOT / ".bench" / "gguf")
     ap.add_argument("--tools", type=Path, default=ROOT / ".bench" / "llama-tools")
     args = ap.parse_args()
     methods = [m for m in args.methods if m != "none"]
-    for m in methods:  # any budget: gptq-bpw4.9, awq-bpw5.25, gptq-bpw4.9-q4_k+q5_k+q6_k (only those grids)
-        found = re.fullmatch(r"(rtn|gptq|awq)-bpw(\d+(?:\.\d+)?)(?:-([a-z0-9_]+(?:\+[a-z0-9_]+)*))?", m)
-        if found and m not in METHODS:
-            METHODS[m] = (["--method", found[1], "--bpw", found[2]] +
-                          (["--bpw-grids", found[3].replace("+", ",")] if found[3] else []), "auto")
+    for m in methods:
+        add_budget_method(m)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"error: --methods: unknown {unknown[0]}; choose from {', '.join(METHODS)}, METHOD-bpwB[-G1+G2...] or none")
+    for spec in args.match_sizes:
+        if not re.fullmatch(MATCH_SPEC, spec):
+            raise SystemExit(f"error: --match-sizes: {spec!r} is not rtn, gptq or awq, optionally with grids (gptq-q4_k+q6_k)")
     from slmedge.compress.recipe import Recipe
     from slmedge.data.calibration import calibration_sources
     from slmedge.errors import DataError
@@ -304,7 +311,13 @@ def main() -> int:
                     work / "logs" / f"{out.name}.log")
                 stamp(out, inputs)
             files[f"{qtype} slmedge export --imatrix"] = ("slmedge", out)
-        for label in methods:
+        matched = []  # --match-sizes: a budget at each llama.cpp imatrix file's size
+        for qtype in args.types:
+            for spec in args.match_sizes:
+                label = matched_method(spec, work / f"llama-{qtype.lower()}-llama.gguf")
+                if label is not None and label not in methods + matched:
+                    matched.append(label)
+        for label in methods + matched:
             opts, qtype = METHODS[label]
             art = work / f"artifact-{label}"
             out = work / f"slmedge-{label}-{qtype}.gguf"
@@ -332,6 +345,49 @@ def main() -> int:
                                                        "imatrix_agreement": agreement, "rows": rows, "goal": goal,
                                                        "decode_pairs": speeds}, indent=2))
     return 0
+
+
+BUDGET = r"(rtn|gptq|awq)-bpw(\d+(?:\.\d+)?)(?:-([a-z0-9_]+(?:\+[a-z0-9_]+)*))?"
+MATCH_SPEC = r"(rtn|gptq|awq)(?:-([a-z0-9_]+(?:\+[a-z0-9_]+)*))?"
+MATCH_MARGIN = 0.0005  # bits per weight a matched budget stays under llama.cpp's file: room for slmedge's manifest
+
+
+def add_budget_method(label: str) -> None:
+    """Register METHOD-bpwB[-G1+G2...] (gptq-bpw4.9, awq-bpw5.25, gptq-bpw4.9-q4_k+q5_k+q6_k: those grids only)."""
+    found = re.fullmatch(BUDGET, label)
+    if found and label not in METHODS:
+        METHODS[label] = (["--method", found[1], "--bpw", found[2]] +
+                          (["--bpw-grids", found[3].replace("+", ",")] if found[3] else []), "auto")
+
+
+def linears(file: Path) -> tuple[float, dict[str, tuple[int, int]]]:
+    """Bits per weight of a GGUF's linears as stored (the 2-D tensors of its blocks: what --bpw budgets),
+    and their (rows, columns)."""
+    import gguf
+
+    found = [t for t in gguf.GGUFReader(file).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    bpw = sum(int(t.n_bytes) * 8 for t in found) / sum(int(t.n_elements) for t in found)
+    return bpw, {t.name: (int(t.shape[1]), int(t.shape[0])) for t in found}
+
+
+def matched_method(spec: str, theirs: Path) -> str | None:
+    """``spec`` (METHOD or METHOD-G1+G2...) as a budget method at ``theirs``'s bits per weight of the linears,
+    MATCH_MARGIN under it and rounded down to 3 decimals (the budget lands within 1% below that); None
+    where those grids cannot reach it (slmedge's own check, said in the log)."""
+    from slmedge.compress.budget import check_budget
+    from slmedge.errors import ConfigError
+
+    found = re.fullmatch(MATCH_SPEC, spec)
+    bpw, shapes = linears(theirs)
+    bpw = math.floor((bpw - MATCH_MARGIN) * 1000) / 1000
+    label = f"{found[1]}-bpw{bpw:.3f}" + (f"-{found[2]}" if found[2] else "")
+    try:
+        check_budget(shapes, bpw, found[2].split("+") if found[2] else None)
+    except ConfigError as exc:
+        log(f"--match-sizes {spec} at {theirs.name}: skipped, {exc}")
+        return None
+    add_budget_method(label)
+    return label
 
 
 SAME_TYPES_SHARE = 0.95  # pairs for the decode comparison: at least this share of tensors in the same type
