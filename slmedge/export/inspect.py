@@ -120,8 +120,8 @@ def pack_tensors(entries: dict[str, dict]) -> dict[str, dict]:
 
 def unpack_tensors(packed: dict) -> dict[str, dict]:
     """The manifest's ``tensors`` (``pack_tensors``'s keys, or one key per tensor) as one entry per
-    tensor, block by block (``_tensor_order``). ValueError: a key that is not slmedge's (a range backwards or past MAX_PACKED_BLOCKS, a
-    tensor named twice)."""
+    tensor, block by block (``_tensor_order``). ValueError: a key that is not slmedge's (a range
+    backwards or past MAX_PACKED_BLOCKS, a tensor named twice)."""
     out: dict[str, dict] = {}
 
     def put(name: str, entry) -> None:
