@@ -102,19 +102,17 @@ def _ranges(numbers: list[int]) -> str:
 def pack_tensors(entries: dict[str, dict]) -> dict[str, dict]:
     """``entries`` (tensor name -> entry), the blocks of each tensor that share an entry under one key."""
     packed: dict[str, dict] = {}
-    groups: dict[tuple[str, str], list[int]] = {}
-    examples: dict[tuple[str, str], dict] = {}
+    groups: dict[tuple[str, str], tuple[dict, list[int]]] = {}  # (tensor, entry's JSON) -> (entry, blocks)
     for name, entry in entries.items():
         m = _BLOCK_NAME.fullmatch(name)
         if m is None:
             packed[name] = entry
             continue
         key = (m.group(2), json.dumps(entry, sort_keys=True, default=str))
-        groups.setdefault(key, []).append(int(m.group(1)))
-        examples[key] = entry
-    for (rest, signature), blocks in groups.items():
+        groups.setdefault(key, (entry, []))[1].append(int(m.group(1)))
+    for (rest, _), (entry, blocks) in groups.items():
         name = f"blk.{blocks[0]}.{rest}" if len(blocks) == 1 else f"blk.{{{_ranges(blocks)}}}.{rest}"
-        packed[name] = examples[(rest, signature)]
+        packed[name] = entry
     return packed
 
 
