@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from slmedge.compress.methods import METHODS
 from slmedge.compress.recipe import Recipe
 from slmedge.compress.sparsity import Sparsity
 from slmedge.errors import ConfigError
@@ -167,6 +168,29 @@ def test_the_recipe_holds_a_parsed_sparsity_and_saves_its_text(tmp_path):
     assert default_output("m", Recipe(method="magnitude", bits=None, sparsity=0.5)).name == "m-magnitude-s0p5"
     with pytest.raises(ConfigError, match="got 'lots'"):
         Recipe(method="wanda", sparsity="lots")
+
+
+def test_the_settings_that_applied_are_the_methods_own_and_those_it_used():
+    # What a GGUF's manifest records of the recipe (Recipe.applied): RTN on a grid without importance read
+    # no data and no uniform grid, so only what it did; GPTQ's and AWQ's own settings, never the other's.
+    assert Recipe(method="rtn", bits=None, grid="q4_1").validate().applied() == {
+        "method": "rtn", "grid": "q4_1", "skip": ["lm_head", "*embed_tokens*"]}
+    weighted = Recipe(method="rtn", bits=None, grid="q4_k", importance=True, nsamples=16).validate().applied()
+    assert weighted["importance"] is True and weighted["nsamples"] == 16 and "calibration" in weighted
+    gptq = Recipe(method="gptq", bits=None, bpw=5.5, bpw_grids=("q4_k", "q6_k"), damp=0.02).validate().applied()
+    assert gptq["damp"] == 0.02 and gptq["bpw_grids"] == ["q4_k", "q6_k"] and {"block_size", "act_order"} <= set(gptq)
+    assert not [k for k in gptq if k.startswith("awq_") or k in ("bits", "group_size", "symmetric", "grid")]
+    awq = Recipe(method="awq", bits=4, group_size=32, awq_grid=10).validate().applied()
+    assert awq["awq_grid"] == 10 and (awq["bits"], awq["group_size"], awq["symmetric"]) == (4, 32, False)
+    assert not {"damp", "block_size", "act_order", "true_sequential"} & set(awq)
+    pruned = Recipe(method="wanda", bits=None, sparsity="2:4").validate().applied()
+    assert pruned["sparsity"] == "2:4" and not {"bits", "group_size", "symmetric"} & set(pruned)
+    assert Recipe(method="gptq", true_sequential=False).validate().applied()["true_sequential"] is False
+    # every setting is read by every method or named as some methods' own: a new one is placed on purpose
+    shared = {"method", "bits", "group_size", "symmetric", "grid", "bpw", "bpw_grids", "importance", "sparsity",
+              "calibration", "nsamples", "seqlen", "seed", "batch_size", "skip", "true_sequential"}
+    own = {name for info in METHODS.values() for name in info.cls.settings}
+    assert {f.name for f in dataclasses.fields(Recipe)} == shared | own and not shared & own
 
 
 # --- the study file's keys come from the dataclasses -------------------------------------------------

@@ -22,6 +22,7 @@ from slmedge.compress.api import compress
 from slmedge.compress.artifact import Artifact
 from slmedge.compress.budget import TOLERANCE, allocate, candidates, linear_bits
 from slmedge.compress.grid_fit import element_weights, fit, weighted_error
+from slmedge.compress.methods import METHODS
 from slmedge.compress.methods.gptq import gptq_quantize_grid
 from slmedge.compress.quant import QuantSpec, quantize_groups
 from slmedge.compress.recipe import Recipe
@@ -30,6 +31,8 @@ from slmedge.export import gguf as gx
 from slmedge.export.gguf import export_gguf
 from slmedge.export.gguf_blocks import PACKERS, pack_blocks
 from slmedge.export.gguf_quant import unpermute_rows
+from slmedge.export.inspect import MANIFEST_KEY, read_gguf_manifest
+from slmedge.models.gguf_seal import check_gguf
 from slmedge.models.grids import GRIDS, KVALUES_IQ4NL, Grid, decode, grid_for_width, register_grid
 from slmedge.registry import Registry
 
@@ -315,6 +318,30 @@ def test_gptq_and_awq_onto_grids_reach_gguf_bit_for_bit(method, grid, wide_model
     report = export_gguf(art, tmp_path / "m.gguf")
     assert report["exact"] and report["verification"]["mean_kl"] < gx.TOLERANCES["kept"]["mean_kl"]
     _check_gguf_holds_the_artifact(tmp_path / "m.gguf", art, report)
+    _check_the_manifest_says_it_once(tmp_path / "m.gguf", art)
+
+
+def _check_the_manifest_says_it_once(path, art):
+    """The GGUF's manifest as stored: no spaces, the recipe's settings that applied (``Recipe.applied``:
+    ``method``'s own, none of another method's), and no grid beside a type that names it; read back
+    (``read_gguf_manifest``), every tensor whose codes were kept names its grid again, and the file's
+    seal still holds."""
+    text = gguf.GGUFReader(str(path)).fields[MANIFEST_KEY].contents()
+    stored = json.loads(text)
+    assert text == json.dumps(stored, sort_keys=True, separators=(",", ":"))
+    recipe = Recipe.from_dict(Artifact.open(art).manifest["recipe"])
+    assert stored["recipe"] == recipe.applied()
+    own, others = set(METHODS[recipe.method].cls.settings), {"damp", "block_size", "act_order", "awq_grid", "awq_clip"}
+    assert own and own <= set(stored["recipe"]) and not (others - own) & set(stored["recipe"])
+    assert not {"bits", "group_size", "symmetric"} & set(stored["recipe"])  # the uniform grid's: not on a grid
+    assert stored["recipe"]["calibration"] == recipe.calibration and "sparsity" not in stored["recipe"]  # unset
+    kept = [entry for entry in stored["tensors"].values() if entry["codes_kept"]]
+    assert kept and not any("grid" in entry for entry in kept)
+    back = read_gguf_manifest(path)["tensors"]
+    kept = {name: entry for name, entry in back.items() if entry["codes_kept"]}
+    assert len(kept) == len(Artifact.open(art).layers()) and all(e["grid"] == e["type"] for e in kept.values())
+    assert all("grid" not in entry for entry in back.values() if not entry["codes_kept"])
+    assert check_gguf(path)["recipe"] == recipe.applied()
 
 
 def test_same_seed_same_artifact_bytes(wide_models, calib_file, tmp_path):

@@ -22,6 +22,10 @@ __all__ = ["DEFAULT_SKIP", "Recipe", "Sparsity"]
 
 DEFAULT_SKIP = ("lm_head", "*embed_tokens*")
 AWQ_SEARCH_DTYPES = ("auto", "bfloat16", "float32")
+# The settings of the calibration data, read only by a method that reads calibration data.
+CALIBRATION_SETTINGS = ("calibration", "nsamples", "seqlen", "seed", "batch_size")
+# The uniform grid's settings, read only off llama.cpp's grids.
+UNIFORM_SETTINGS = ("bits", "group_size", "symmetric")
 
 
 @dataclass
@@ -108,6 +112,23 @@ class Recipe:
         data["bpw_grids"] = None if self.bpw_grids is None else list(self.bpw_grids)
         data["sparsity"] = None if self.sparsity is None else self.sparsity.describe()
         return data
+
+    def applied(self) -> dict:
+        """The settings that shaped the result: ``to_dict`` less those left unset (None), the uniform
+        grid's on llama.cpp's grids or where nothing is quantized, the calibration data's for a method
+        that read none, and the settings of the other methods (``Method.settings``). What a GGUF's
+        manifest records (the artifact keeps the whole recipe); not for ``from_dict``, which fills
+        what is missing with defaults."""
+        info = get_method(self.method)
+        method = info.cls(self)
+        drop = {name for other in METHODS.values() for name in other.cls.settings} - set(info.cls.settings)
+        if self.on_grid or not self.quantizes:
+            drop.update(UNIFORM_SETTINGS)
+        if not method.needs_calibration:
+            drop.update(CALIBRATION_SETTINGS)
+        if method.block_level or method.stats_class is None:  # no per-linear statistics to collect in order
+            drop.add("true_sequential")
+        return {k: v for k, v in self.to_dict().items() if v is not None and k not in drop}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Recipe":

@@ -15,7 +15,6 @@ rows are output features.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import warnings
@@ -26,11 +25,12 @@ import numpy as np
 
 from ..compress.artifact import MANIFEST
 from ..compress.quant import QuantSpec, entry_spec
+from ..compress.recipe import Recipe
 from ..models.grids import Grid
 from ..errors import OutputExistsError, UnsupportedArchitectureError
 from ..fsutil import disk_full, no_space, temp_name
 from ..models.architectures import ARCHITECTURES, Architecture, GGUFLayout
-from ..models.gguf_seal import check_gguf, input_gguf_manifest, placeholder_manifest, seal_gguf
+from ..models.gguf_seal import check_gguf, input_gguf_manifest, manifest_text, placeholder_manifest, seal_gguf
 from .errors import ExportError, GGUFExportError, GGUFVerificationError
 from .formats import get_format, register_format
 from .gguf_hparams import add_hparams, hparam
@@ -38,7 +38,8 @@ from .gguf_blocks import pack_blocks
 from .gguf_quant import (QTYPES, QType, cannot_place, check_requantized, codes_to_blocks,  # noqa: F401 - re-exported
                          grids_qtype, llamacpp_quantize, permute_rows, unpermute_rows)
 from .gguf_vocab import add_tokenizer, model_name, pre_tokenizer_name  # noqa: F401 - re-exported
-from .inspect import MANIFEST_KEY, gguf_model_facts, gguf_rows, inspect_gguf, pack_tensors, read_gguf_manifest
+from .inspect import (MANIFEST_KEY, gguf_model_facts, gguf_rows, inspect_gguf, manifest_entry, pack_tensors,
+                      read_gguf_manifest)
 from .source import ExportSource, iter_weights, open_export_source, weight_shapes
 from .verify import check_logits, probe_text, source_tokenizer, torch_logits
 
@@ -466,12 +467,10 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         "source": str(src.path),
         "source_kind": "artifact" if src.artifact is not None else "hf_dir",
         "source_manifest_sha256": src.artifact.manifest_sha256 if src.artifact is not None else None,
-        "recipe": (src.artifact.manifest.get("recipe") if src.artifact is not None else None),
+        "recipe": Recipe.from_dict(recipe).applied() if recipe else None,  # the artifact keeps the whole recipe
         "qtype": target.name,
         "imatrix": imatrix_info,
-        "tensors": pack_tensors({n: {k: v for k, v in t.items()
-                                     if k in ("type", "codes_kept", "grid", "sparsity", "requantized_because")}
-                                 for n, t in report_tensors.items()}),
+        "tensors": pack_tensors({n: manifest_entry(t) for n, t in report_tensors.items()}),
     }
     ftype = gguf.LlamaFileType[target.ftype]
     tmp = _tmp_name(out)
@@ -481,7 +480,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         writer.add_name(model_name(src))
         extra = add_hparams(writer, src.config, src.arch, ftype if not requant else gguf.LlamaFileType.ALL_F32)
         tok_info = add_tokenizer(writer, src)
-        writer.add_string(MANIFEST_KEY, json.dumps(placeholder_manifest(manifest), sort_keys=True, default=str))
+        writer.add_string(MANIFEST_KEY, manifest_text(placeholder_manifest(manifest)))
         extras = dict(extra)
         for name, data in extra:
             plan.append(_Planned(name, name, None, tuple(data.shape), np.dtype(np.float32), None, None, 0.0))

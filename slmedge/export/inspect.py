@@ -75,8 +75,28 @@ def read_gguf_manifest(path, metadata: dict | None = None) -> dict | None:
         return None
     manifest = json.loads(metadata[MANIFEST_KEY])
     if isinstance(manifest, dict) and isinstance(manifest.get("tensors"), dict):
-        manifest["tensors"] = unpack_tensors(manifest["tensors"])
+        manifest["tensors"] = {name: _full_entry(entry) for name, entry in unpack_tensors(manifest["tensors"]).items()}
     return manifest
+
+
+MANIFEST_ENTRY_KEYS = ("type", "codes_kept", "grid", "sparsity", "requantized_because")
+
+
+def manifest_entry(info: dict) -> dict:
+    """A tensor's entry as the manifest stores it: the export's facts about it (``MANIFEST_ENTRY_KEYS``),
+    less a kept grid that is the tensor's own type (every llama.cpp grid's codes: ``"grid": "Q4_K"``
+    beside ``"type": "Q4_K"``), which ``read_gguf_manifest`` puts back."""
+    entry = {k: v for k, v in info.items() if k in MANIFEST_ENTRY_KEYS}
+    if entry.get("codes_kept") is True and entry.get("grid") == entry.get("type"):
+        del entry["grid"]
+    return entry
+
+
+def _full_entry(entry):
+    """``manifest_entry`` undone: codes kept with no grid named are on their type's own grid."""
+    if isinstance(entry, dict) and entry.get("codes_kept") is True and "grid" not in entry and "type" in entry:
+        return {**entry, "grid": entry["type"]}
+    return entry
 
 
 # A GGUF's manifest says per tensor what slmedge did with it (type, codes kept, grid, sparsity). Written

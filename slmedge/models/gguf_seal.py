@@ -42,6 +42,12 @@ class ModifiedGGUFError(ArtifactError):
     wrote (``check_gguf``)."""
 
 
+def manifest_text(manifest: dict) -> str:
+    """How the manifest is stored: sorted keys, no spaces (the seal is over a canonical form of the
+    content, so a reader takes whatever spacing; the writer's own two writes must match in length)."""
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":"), default=str)
+
+
 def placeholder_manifest(manifest: dict) -> dict:
     """``manifest`` as the writer first stores it: both digests as fixed-width placeholders."""
     return {**manifest, FILE_KEY: PLACEHOLDER, SEAL_KEY: PLACEHOLDER}
@@ -222,7 +228,7 @@ def seal_gguf(path) -> dict:
         raise ArtifactError(f"cannot seal {path}: its manifest is not one this export left to seal")
     manifest[FILE_KEY] = _digest_around(path, start, length)
     manifest = sealed(manifest)
-    text = json.dumps(manifest, sort_keys=True, default=str).encode("utf-8")
+    text = manifest_text(manifest).encode("utf-8")
     if len(text) != length:  # the placeholders were not written by placeholder_manifest
         raise ArtifactError(f"cannot seal {path}: its manifest changed length ({len(text)} != {length} bytes)")
     with open(path, "r+b") as handle:

@@ -140,6 +140,7 @@ class AWQ(Method):
     kind = "quantize"
     summary = "AWQ: activation-aware scaling and clipping, folded into the preceding norm or linear"
     block_level = True  # scales are searched per block and folded into the op before: no per-linear statistics
+    settings = ("awq_grid", "awq_clip", "awq_max_tokens", "awq_search_dtype")
 
     def __init__(self, recipe):
         super().__init__(recipe)

@@ -173,6 +173,7 @@ class Method:
     summary: str = ""
     true_sequential: bool = True  # the reference implementation's default (see Recipe)
     block_level: bool = False  # compresses whole blocks (compress_block), not one linear at a time
+    settings: tuple[str, ...] = ()  # the recipe's method-specific settings it reads (Recipe.applied)
 
     def __init__(self, recipe):
         self.recipe = recipe

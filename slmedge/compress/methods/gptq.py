@@ -261,6 +261,7 @@ class GPTQ(Method):
     kind = "quantize"
     stats_class = HessianStats
     summary = "GPTQ: second-order error compensation column by column"
+    settings = ("damp", "block_size", "act_order")
 
     def _quantize(self, weight, stats, spec, own=False) -> LinearResult:
         r = self.recipe

@@ -129,6 +129,7 @@ class SparseGPT(Method):
     kind = "prune"
     stats_class = HessianStats
     summary = "SparseGPT: pruning with second-order reconstruction (optionally joint quantization)"
+    settings = ("damp", "block_size")
 
     def compress(self, name, weight, stats):
         r = self.recipe
