@@ -150,8 +150,8 @@ def test_a_gguf_export_carries_its_own_checksum(exports, tmp_path, corpus):
         assert r.exit_code == 0 and "manifest is ignored" in r.output, r.output
         assert not get_format("gguf").reusable(copy)
     edited = tmp_path / "edited.gguf"
-    assert data.count(b'"qtype": "f32"') == 1
-    edited.write_bytes(data.replace(b'"qtype": "f32"', b'"qtype": "q80"'))  # same length: no offset moves
+    assert data.count(b'"qtype":"f32"') == 1
+    edited.write_bytes(data.replace(b'"qtype":"f32"', b'"qtype":"q80"'))  # same length: no offset moves
     one_line_error(runner.invoke(app, ["inspect", str(edited)]), "was changed after slmedge wrote it")
 
 

@@ -55,8 +55,8 @@ def test_a_tampered_manifest_is_still_refused_as_input(exports, tmp_path):
     """Only the tensors changing is a derived file; a manifest edited in place is refused everywhere."""
     data = Path(exports["llama.cpp"]).read_bytes()
     edited = tmp_path / "edited.gguf"
-    assert data.count(b'"qtype": "f32"') == 1
-    edited.write_bytes(data.replace(b'"qtype": "f32"', b'"qtype": "q80"'))
+    assert data.count(b'"qtype":"f32"') == 1
+    edited.write_bytes(data.replace(b'"qtype":"f32"', b'"qtype":"q80"'))
     with pytest.raises(Exception) as err:
         input_gguf_manifest(edited)
     assert not isinstance(err.value, ModifiedGGUFError)

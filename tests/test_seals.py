@@ -127,13 +127,13 @@ def test_an_export_names_the_manifest_it_checked(artifacts, tmp_path):
 def _blank_key(data: bytes, key: str) -> bytes:
     """The GGUF's manifest JSON with one key and its value blanked out by spaces (the same length: no
     offset in the file moves, and the file's own digest, which leaves the manifest out, still holds)."""
-    start = data.index(f'"{key}": '.encode())
-    end = data.index(b'"', data.index(b'"', start + len(key) + 4) + 1) + 1  # the value's closing quote
-    if data[end:end + 2] == b", ":
-        end += 2
+    start = data.index(f'"{key}":'.encode())  # stored without spaces (gguf_seal.manifest_text)
+    end = data.index(b'"', data.index(b'"', start + len(key) + 3) + 1) + 1  # the value's closing quote
+    if data[end:end + 1] == b",":
+        end += 1
     else:  # the last key: the comma before it goes instead
-        assert data[start - 2:start] == b", "
-        start -= 2
+        assert data[start - 1:start] == b","
+        start -= 1
     return data[:start] + b" " * (end - start) + data[end:]
 
 
@@ -143,9 +143,9 @@ def test_a_gguf_whose_seal_was_removed_is_refused(exports, tmp_path, corpus, art
     r = runner.invoke(app, ["export", str(art), "--format", "gguf", "-o", str(src), "--no-verify"])
     assert r.exit_code == 0, r.output
     data = src.read_bytes()
-    assert data.count(b'"bits": 4') == 1
+    assert data.count(b'"bits":4') == 1
     unsealed = tmp_path / "unsealed.gguf"
-    unsealed.write_bytes(_blank_key(data, SEAL_KEY).replace(b'"bits": 4', b'"bits": 8'))
+    unsealed.write_bytes(_blank_key(data, SEAL_KEY).replace(b'"bits":4', b'"bits":8'))
     _refused_everywhere(unsealed, tmp_path, corpus, str(unsealed), NO_SEAL, export=False)
     with pytest.raises(ArtifactError, match=NO_SEAL):
         check_gguf(unsealed)
@@ -233,7 +233,7 @@ def test_the_study_never_uses_its_own_outputs_once_their_seal_is_removed(tiny_mo
     work = tmp_path / "work-own"
     (gguf_file,) = list((work / "exports").rglob("*.gguf"))
     (art,) = [p for p in (work / "artifacts").iterdir() if p.is_dir()]
-    gguf_file.write_bytes(_blank_key(gguf_file.read_bytes(), SEAL_KEY).replace(b'"bits": 4', b'"bits": 8'))
+    gguf_file.write_bytes(_blank_key(gguf_file.read_bytes(), SEAL_KEY).replace(b'"bits":4', b'"bits":8'))
     # Another measurement of the same export joins the grid: the export is needed again.
     f.write_text(f.read_text().replace("ppl_windows = 1", "ppl_windows = 2"))
     r = runner.invoke(app, ["study", str(f), "--results-db", str(db)])
