@@ -22,7 +22,7 @@ from slmedge.export import gguf_vocab as gv
 from slmedge.export.gguf import export_gguf
 from slmedge.export.gguf_quant import permute_rows, unpermute_rows
 from slmedge.export.gguf_vocab import pre_tokenizer_name
-from slmedge.export.inspect import pack_tensors, read_gguf_manifest, unpack_tensors
+from slmedge.export.inspect import inspect_path, pack_tensors, read_gguf_manifest, unpack_tensors
 
 # (model type, method, recipe overrides, GGUF type the codes must land in)
 CASES = [
@@ -180,6 +180,14 @@ def test_k_quants_go_through_llamacpp_with_a_warning_and_the_manifest_says_so(ar
     manifest = read_gguf_manifest(tmp_path / "m.gguf", fields)
     assert manifest["tensors"]["blk.0.ffn_up.weight"]["type"] == "requantized by llama.cpp (q4_k_m)"
     assert manifest["tensors"]["blk.0.ffn_up.weight"]["codes_kept"] is False
+    # inspect (and its --tensors table) names the type llama.cpp chose for each such tensor
+    chosen = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    shown = inspect_path(tmp_path / "m.gguf")["manifest"]["tensors"]
+    assert {name: e["type"] for name, e in shown.items() if "requantized" in e["type"]} == \
+        {name: f"{chosen[name]}, requantized by llama.cpp (q4_k_m)" for name, e in manifest["tensors"].items()
+         if e["type"].startswith("requantized")}
+    assert shown["blk.0.ffn_up.weight"]["type"] == f"{report['tensors']['blk.0.ffn_up.weight']['type']}, " \
+                                                   "requantized by llama.cpp (q4_k_m)"
     with pytest.raises(GGUFExportError, match="cannot be kept"):
         export_gguf(art_dir, tmp_path / "e.gguf", qtype="q4_k_m", exact=True)
     assert not (tmp_path / "e.gguf").exists()

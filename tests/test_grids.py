@@ -342,6 +342,9 @@ def _check_the_manifest_says_it_once(path, art):
     assert len(kept) == len(Artifact.open(art).layers()) and all(e["grid"] == e["type"] for e in kept.values())
     assert all("grid" not in entry for entry in back.values() if not entry["codes_kept"])
     assert check_gguf(path)["recipe"] == recipe.applied()
+    shown = runner.invoke(app, ["inspect", str(path)], env={"COLUMNS": "1000"})
+    rows = [[cell.strip() for cell in line.split("│")[1:3]] for line in shown.output.splitlines() if line.count("│") >= 3]
+    assert shown.exit_code == 0 and ["recipe", json.dumps(recipe.applied(), sort_keys=True)] in rows, shown.output
 
 
 def test_same_seed_same_artifact_bytes(wide_models, calib_file, tmp_path):
@@ -470,6 +473,76 @@ def test_the_allocation_picks_by_sensitivity_and_refuses_what_no_mix_reaches(tin
                               "-o", str(tmp_path / "out"), "--nsamples", "4", "--seqlen", "32"])
     one_line_error(res, "bpw 4 is below what llama.cpp's grids can reach")  # 64-wide rows: 4.5 at least
     assert res.exit_code == 2 and not (tmp_path / "out").exists()
+
+
+def _correlated_stats(columns: int, tokens: int = 2048, seed: int = 0):
+    """HessianStats of inputs whose channels are mixed (so H is far from diagonal) and of unequal scale."""
+    from slmedge.compress.methods.base import HessianStats
+
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(columns, columns, generator=g) / columns**0.5 + torch.eye(columns)
+    x = torch.randn(tokens, columns, generator=g) @ mix * torch.rand(columns, generator=g).add(0.2)
+    stats = HessianStats(columns, torch.device("cpu"))
+    stats.add_batch(x)
+    return stats
+
+
+def test_gptq_measures_a_budget_with_its_own_column_loop(calib_file):
+    from slmedge.compress.budget import output_error, sample_rows, sensitivity
+
+    gptq = METHODS["gptq"].cls(small_recipe(calib_file, method="gptq", bits=None, bpw=5.0).validate())
+    g = torch.Generator().manual_seed(1)
+    weights = {"q": torch.randn(300, 256, generator=g), "k": torch.randn(64, 256, generator=g) * 3}
+    stats = _correlated_stats(256)
+    grids = candidates(256, ("q3_k", "iq4_xs", "q4_k", "q6_k"))
+    errors = gptq.budget_errors(weights, stats, grids)
+    assert set(errors) == {"q", "k"} and all(set(e) == {gr.name for gr in grids} for e in errors.values())
+    imp = stats.importance()
+    for name, weight in weights.items():
+        w = sample_rows(weight)
+        assert w.shape[0] == min(256, weight.shape[0])
+        signal = float(output_error(w, torch.zeros_like(w), stats.H).sum())
+        for grid in grids:
+            # each linear's share of the stacked loop is what GPTQ leaves on its rows alone ...
+            Q, *_ = gptq_quantize_grid(w, stats.H, grid, imp, blocksize=128, percdamp=0.01, actorder=True)
+            alone = float(output_error(w, Q, stats.H).sum()) / signal
+            assert errors[name][grid.name] == pytest.approx(alone, rel=1e-4)
+            # ... which is well under what rounding to the nearest level on the same scales leaves
+            nearest = float(output_error(w, fit(grid, w, imp).weight, stats.H).sum()) / signal
+            assert errors[name][grid.name] < 0.9 * nearest, (name, grid.name)
+        assert errors[name]["q3_k"] > errors[name]["iq4_xs"] > errors[name]["q6_k"]
+    # the other methods measure plain rounding's ratio, weighted by the inputs' mean squares
+    rtn = METHODS["rtn"].cls(small_recipe(calib_file, method="rtn", bits=None, bpw=5.0).validate())
+    assert rtn.budget_errors({"q": weights["q"]}, stats, grids) == {"q": sensitivity(weights["q"], imp, grids)}
+
+
+def test_a_gptq_budget_is_allocated_from_gptqs_own_errors(wide_models, calib_file, tmp_path, monkeypatch):
+    from slmedge.compress import budget
+    from slmedge.compress.methods.base import HessianStats
+
+    measured, allocated = [], {}
+    own = METHODS["gptq"].cls.budget_errors
+
+    def spy(self, weights, stats, grids):
+        out = own(self, weights, stats, grids)
+        measured.append((set(weights), type(stats), out))
+        return out
+
+    def allocate_spy(shapes, errors, bpw):
+        allocated.update(errors)
+        return allocate(shapes, errors, bpw)
+
+    monkeypatch.setattr(METHODS["gptq"].cls, "budget_errors", spy)
+    monkeypatch.setattr(budget, "allocate", allocate_spy)
+    out = compress(str(wide_models("llama")), small_recipe(calib_file, method="gptq", bits=None, bpw=5.0),
+                   tmp_path / "art", device="cpu")
+    layers = Artifact.open(out.artifact).layers()
+    assert set(allocated) == set(layers)
+    assert all(kind is HessianStats for _, kind, _ in measured)
+    # linears fed one input are measured in one loop: q/k/v and gate/up together
+    groups = sorted(len(names) for names, _, _ in measured)
+    assert groups.count(3) == groups.count(2) > 0
+    assert allocated == {name: err for _, _, out in measured for name, err in out.items()}
 
 
 def test_a_budget_keeps_to_the_grids_it_is_given(wide_models, calib_file, tmp_path):

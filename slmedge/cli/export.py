@@ -190,6 +190,8 @@ def inspect_command(
             kept = sum(1 for t in ts.values() if t.get("codes_kept"))
             table.add_row("slmedge manifest", f"source {m.get('source')} ({m.get('source_kind')}), type "
                           f"{m.get('qtype') or m.get('type')}, codes kept exactly in {kept} of {len(ts)} tensors")
+            if m.get("recipe"):  # the settings that applied (Recipe.applied), as the file records them
+                table.add_row("recipe", json.dumps(m["recipe"]))
         console.print(table)
         types = Table("type", "tensors", "parameters", "size", "bits/weight", title="tensors by type")
         for kind, e in info["by_type"].items():

@@ -313,6 +313,13 @@ def inspect_gguf(path: Path) -> dict:
         manifest = {"error": "unreadable"}
     fields.pop(MANIFEST_KEY, None)
     rows = [(t.tensor_type.name, int(np.prod(t.shape)), int(t.n_bytes)) for t in reader.tensors]
+    if manifest and isinstance(manifest.get("tensors"), dict):
+        # The manifest is written before llama.cpp re-quantizes what slmedge left to it, so it names the
+        # file's type there ("requantized by llama.cpp (q4_1)"); the type llama.cpp chose is the file's.
+        chosen = {t.name: t.tensor_type.name for t in reader.tensors}
+        for name, entry in list(manifest["tensors"].items()):  # unpacked entries may be one shared dict
+            if str(entry.get("type", "")).startswith("requantized by llama.cpp") and name in chosen:
+                manifest["tensors"][name] = {**entry, "type": f"{chosen[name]}, {entry['type']}"}
     params = sum(r[1] for r in rows)
     nbytes = sum(r[2] for r in rows)
     hparams = {k.split(".", 1)[1]: v for k, v in fields.items() if arch and k.startswith(arch + ".")}
