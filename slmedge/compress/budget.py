@@ -12,12 +12,6 @@ linear that minimises the sum of these ratios with the total within [1 - toleran
 budget is then dynamic programming over the linears (sizes in steps of 1/100,000 of the budget;
 the true total of the chosen end state is checked). Measured on a subset of rows (every k-th, at most ``SENSITIVITY_ROWS``), which the ratio
 does not depend on in expectation.
-
-That is the error of rounding each weight to its nearest level. A method that places its codes
-otherwise measures its own (``Method.budget_errors``): GPTQ quantizes the sampled rows onto each
-grid with its column loop and reports the output error it leaves, ``tr(E H E^T) / tr(W H W^T)``
-with E = W - Q and H the inputs' full second moments (``output_error``), which is what its
-compensation lowers, and by different amounts on different grids.
 """
 
 from __future__ import annotations
@@ -69,26 +63,14 @@ def check_budget(shapes: dict[str, tuple[int, int]], bpw: float, names=None) -> 
                           f"bpw {bpw:g}; try another budget")
 
 
-def sample_rows(weight: torch.Tensor, max_rows: int = SENSITIVITY_ROWS) -> torch.Tensor:
-    """Every k-th row of ``weight`` (at most ``max_rows``, evenly spread), as fp32."""
-    if weight.shape[0] > max_rows:
-        weight = weight[torch.linspace(0, weight.shape[0] - 1, max_rows).round().long().to(weight.device)]
-    return weight.float()
-
-
-def output_error(weight: torch.Tensor, quantized: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
-    """Per row, the squared error of the output ``(W - Q) x`` over inputs of second moments ``H``:
-    the diagonal of ``E H E^T`` (E = W - Q)."""
-    E = weight - quantized
-    return ((E @ H) * E).sum(dim=1)
-
-
 @torch.no_grad()
 def sensitivity(weight: torch.Tensor, importance: torch.Tensor | None, grids: list[Grid], weighted_fit: bool = True,
                 max_rows: int = SENSITIVITY_ROWS) -> dict[str, float]:
     """Grid name -> noise-to-signal ratio of the layer's output when ``weight`` (rows, cols) is fitted on
     it: ``sum imp (W - Q)^2 / sum imp W^2`` over a subset of rows (``importance`` None: plain squares)."""
-    w = sample_rows(weight, max_rows)
+    w = weight.float()
+    if w.shape[0] > max_rows:
+        w = w[torch.linspace(0, w.shape[0] - 1, max_rows).round().long()]
     imp = torch.ones(w.shape[1]) if importance is None else importance.float().cpu()
     w = w.cpu()
     signal = float((w * w * imp).sum())

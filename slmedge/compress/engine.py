@@ -25,7 +25,7 @@ from ..models.architectures import Architecture
 from .blocks import BlockInputs, run_block
 from .hooks import StopForward, linear_inputs, module_calls
 from .methods import get_method
-from .methods.base import LinearResult
+from .methods.base import InputNormStats, LinearResult
 from .recipe import Recipe
 from .shortcuts import BlockShortcuts, Checks, plan_bytes
 
@@ -290,7 +290,7 @@ def compress_model(
         result.timings["capture_s"] = time.perf_counter() - started
     if recipe.bpw is not None:
         began = time.perf_counter()
-        method.assigned = budget_grids(model, arch, method, inputs, device, progress)
+        method.assigned = budget_grids(model, arch, recipe, inputs, device, progress)
         result.timings["budget_s"] = time.perf_counter() - began
     if not (method.block_level or method.stats_class is not None):
         inputs = None  # a data-free method that calibrated only for its budget: nothing to propagate
@@ -365,47 +365,40 @@ def compress_model(
 
 
 @torch.no_grad()
-def budget_grids(model, arch: Architecture, method, inputs: BlockInputs, device, progress=None) -> dict:
-    """The llama.cpp grid of every compressed linear for ``method.recipe.bpw`` (``compress.budget``): one
-    pass of the uncompressed model over the calibration data collects each linear's input statistics
-    (``method.budget_stats``) and, from them, measures the sensitivity of its output to each grid
-    (``method.budget_errors``: the error the method itself leaves there); the allocation then picks the
-    grids. Each block is worked on as an fp32 copy (the model itself is not changed); the hidden states
-    are the pass's own."""
-    from .budget import allocate, candidates
+def budget_grids(model, arch: Architecture, recipe: Recipe, inputs: BlockInputs, device, progress=None) -> dict:
+    """The llama.cpp grid of every compressed linear for ``recipe.bpw`` (``compress.budget``): one pass of
+    the uncompressed model over the calibration data measures each linear's input mean squares and, from
+    them, the sensitivity of its output to each grid; the allocation then picks the grids. Each block is
+    worked on as an fp32 copy (the model itself is not changed); the hidden states are the pass's own."""
+    from .budget import allocate, candidates, sensitivity
 
-    recipe = method.recipe
     layers = model.get_submodule(arch.layers)
     hidden = list(inputs.hidden)
     shapes, errors = {}, {}
+    weighted = recipe.importance is not False
 
-    def measure(weights: dict, stats):
-        # The linears fed one input share one statistics object and their width, so their grids.
-        grids = candidates(next(iter(weights.values())).shape[1], recipe.bpw_grids)
-        shapes.update({name: tuple(w.shape) for name, w in weights.items()})
-        errors.update(method.budget_errors(weights, stats, grids))
+    def measure(name, weight, stats):
+        shapes[name] = tuple(weight.shape)
+        errors[name] = sensitivity(weight, stats.importance(), candidates(weight.shape[1], recipe.bpw_grids), weighted)
 
     for idx, layer in enumerate(layers):
         work = copy.deepcopy(layer)
         _to_compute(work, device)
         todo = block_linears(work, arch, f"{arch.layers}.{idx}", recipe.skip)
-        stats = collect_stats(work, idx, todo, BlockInputs(hidden, inputs._kwargs), method.budget_stats, device)
-        fed: dict[int, dict] = {}
+        stats = collect_stats(work, idx, todo, BlockInputs(hidden, inputs._kwargs), InputNormStats, device)
         for name, lin in todo.items():
-            fed.setdefault(id(stats[name]), {})[name] = lin.weight.data
-        for weights in fed.values():
-            measure(weights, stats[next(iter(weights))])
+            measure(name, lin.weight.data, stats[name])
         for i, h in enumerate(hidden):
             hidden[i] = run_block(work, h, inputs.kwargs(idx, h))
-        del work, stats, fed
+        del work, stats
         if progress:
             progress("sensitivity", idx + 1, len(layers))
     if not is_skipped(arch.lm_head, recipe.skip):
         head, norm = model.get_submodule(arch.lm_head), model.get_submodule(arch.final_norm)
-        stats = method.budget_stats(head.in_features, device)
+        stats = InputNormStats(head.in_features, device)
         for h in hidden:
             stats.add_batch(norm(h))
-        measure({arch.lm_head: head.weight.data.float()}, stats)
+        measure(arch.lm_head, head.weight.data.float(), stats)
     picked = allocate(shapes, errors, recipe.bpw)
     if picked is None:  # check_budget refused what no choice reaches: this is not expected
         raise ConfigError(f"no choice of llama.cpp's grids lands within the budget of {recipe.bpw:g} bits per weight")

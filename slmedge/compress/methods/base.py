@@ -11,7 +11,6 @@ import torch
 
 from ...errors import ConfigError
 from ...models.grids import Grid, grid_for_width
-from ..budget import sensitivity
 from ..quant import QuantSpec, quantize_any
 
 
@@ -175,8 +174,6 @@ class Method:
     true_sequential: bool = True  # the reference implementation's default (see Recipe)
     block_level: bool = False  # compresses whole blocks (compress_block), not one linear at a time
     settings: tuple[str, ...] = ()  # the recipe's method-specific settings it reads (Recipe.applied)
-    # The statistics a bits-per-weight budget measures each linear's sensitivity with (budget_errors).
-    budget_stats: type = InputNormStats
 
     def __init__(self, recipe):
         self.recipe = recipe
@@ -214,15 +211,6 @@ class Method:
         """Fix, before the first block, what the recipe leaves to the device (an "auto" setting);
         returns the values chosen, which the artifact's manifest records (``resolved``)."""
         return {}
-
-    def budget_errors(self, weights: dict[str, torch.Tensor], stats, grids: list[Grid]) -> dict[str, dict[str, float]]:
-        """For a bits-per-weight budget, before any block is compressed: ``{name: {grid name: error}}`` of
-        the linears fed one input (``weights``, one ``budget_stats`` object), the output's noise-to-signal
-        ratio each grid leaves (``compress.budget``). Here that of rounding to the nearest level with the
-        grid's scales searched as this method searches them; a method that places its codes otherwise
-        measures its own (GPTQ)."""
-        weighted = self.recipe.importance is not False
-        return {name: sensitivity(w, stats.importance(), grids, weighted) for name, w in weights.items()}
 
     def compress(self, name: str, weight: torch.Tensor, stats) -> LinearResult:
         raise NotImplementedError

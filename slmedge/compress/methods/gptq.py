@@ -25,7 +25,6 @@ import torch
 
 from ...models.grids import Grid, effective, levels_tensor
 from .. import lapack
-from ..budget import output_error, sample_rows
 from ..grid_fit import fit, table_midpoints
 from ..quant import QuantSpec, find_params, group_params
 from .base import HessianStats, LinearResult, Method, register_method, single_thread
@@ -277,32 +276,6 @@ class GPTQ(Method):
 
     def compress(self, name, weight, stats):
         return self._quantize(weight, stats, self.spec_for(name, weight.shape[1]))
-
-    budget_stats = HessianStats
-
-    def budget_errors(self, weights, stats, grids):
-        """GPTQ's own error on each grid: the sampled rows of the linears fed this input, stacked, through
-        the column loop onto the grid (rows are independent given H, as in ``compress_shared``), and the
-        output error it leaves under the full H, over the output's energy. Plain rounding's ratio ranks
-        the grids otherwise: the compensation gains more on some (finer sub-block scales, a
-        non-uniform grid) than on others."""
-        r = self.recipe
-        names = list(weights)
-        sampled = [sample_rows(weights[name]) for name in names]
-        W = torch.cat(sampled)
-        H = stats.H
-        with single_thread():
-            signal = output_error(W, torch.zeros_like(W), H).split([w.shape[0] for w in sampled])
-        out = {name: {} for name in names}
-        for grid in grids:
-            Q, _, _, _ = gptq_quantize_grid(W, H, grid, self.weighs_by(stats), blocksize=r.block_size,
-                                            percdamp=r.damp, actorder=r.act_order, stats=stats)
-            with single_thread():
-                errors = output_error(W, Q, H).split([w.shape[0] for w in sampled])
-            for name, err, sig in zip(names, errors, signal):
-                total = float(sig.sum())
-                out[name][grid.name] = float(err.sum()) / total if total > 0 else 0.0
-        return out
 
     def compress_shared(self, weights, stats):
         """The linears fed one input (q/k/v, gate/up) in one column loop, their rows stacked.
