@@ -364,11 +364,54 @@ def compress_model(
     return result
 
 
+# The budget's output weights (budget_grids): measured on the first calibration batches up to this many
+# tokens, with noise of this size relative to each row's root mean square (small enough to act linearly).
+REACH_TOKENS = 4096
+REACH_NOISE = 1e-2
+
+
+def output_reach(layer, todo: dict, batches: list, kwargs_of, seed: int) -> dict[str, float]:
+    """Per linear of ``layer`` (fp32, on the compute device): how much of the block's output an error of
+    its weight moves, ``E|y|^2 * (E|dh|^2 / E|dy|^2) / E|h|^2``: its output's energy, times the share of a
+    small change of that output (``dy``, from seeded noise in the weight) that reaches the block's output
+    (``dh``), over the block output's energy (the residual stream, h). A linear's noise-to-signal ratio
+    on a grid times this is the relative error of the residual stream it causes: what makes the linears
+    of one block (q/k behind a softmax, v and o straight on, a projection behind a norm) and of
+    different blocks comparable."""
+    clean = [run_block(layer, h, kwargs_of(h)) for h in batches]
+    total = sum(float(o.double().pow(2).sum()) for o in clean)
+    reach = {}
+    for k, (name, lin) in enumerate(todo.items()):
+        weight = lin.weight.data
+        g = torch.Generator().manual_seed(seed * 1009 + k)
+        noise = torch.randn(weight.shape, generator=g).to(weight.device, weight.dtype)
+        noise *= REACH_NOISE * weight.pow(2).mean(dim=1, keepdim=True).sqrt()
+        energy = [0.0, 0.0]  # |dy|^2, |y|^2
+
+        def hook(_mod, args, output, noise=noise, energy=energy):
+            dy = args[0] @ noise.t()
+            energy[0] += float(dy.double().pow(2).sum())
+            energy[1] += float((output - dy).double().pow(2).sum())
+
+        kept = weight.clone()
+        handle = lin.register_forward_hook(hook)
+        try:
+            weight += noise
+            moved = sum(float((run_block(layer, h, kwargs_of(h)) - c).double().pow(2).sum())
+                        for h, c in zip(batches, clean))
+        finally:
+            handle.remove()
+            weight.copy_(kept)
+        reach[name] = energy[1] * (moved / energy[0]) / total if energy[0] > 0 and total > 0 else 0.0
+    return reach
+
+
 @torch.no_grad()
 def budget_grids(model, arch: Architecture, recipe: Recipe, inputs: BlockInputs, device, progress=None) -> dict:
     """The llama.cpp grid of every compressed linear for ``recipe.bpw`` (``compress.budget``): one pass of
     the uncompressed model over the calibration data measures each linear's input mean squares and, from
-    them, the sensitivity of its output to each grid; the allocation then picks the grids. Each block is
+    them, the noise-to-signal ratio of its output on each grid, weighted by how much of the residual
+    stream its output moves (``output_reach``); the allocation then picks the grids. Each block is
     worked on as an fp32 copy (the model itself is not changed); the hidden states are the pass's own."""
     from .budget import allocate, candidates, sensitivity
 
@@ -377,17 +420,21 @@ def budget_grids(model, arch: Architecture, recipe: Recipe, inputs: BlockInputs,
     shapes, errors = {}, {}
     weighted = recipe.importance is not False
 
-    def measure(name, weight, stats):
+    def measure(name, weight, stats, reach=1.0):
         shapes[name] = tuple(weight.shape)
-        errors[name] = sensitivity(weight, stats.importance(), candidates(weight.shape[1], recipe.bpw_grids), weighted)
+        ratios = sensitivity(weight, stats.importance(), candidates(weight.shape[1], recipe.bpw_grids), weighted)
+        errors[name] = {grid: ratio * reach for grid, ratio in ratios.items()}
 
     for idx, layer in enumerate(layers):
         work = copy.deepcopy(layer)
         _to_compute(work, device)
         todo = block_linears(work, arch, f"{arch.layers}.{idx}", recipe.skip)
         stats = collect_stats(work, idx, todo, BlockInputs(hidden, inputs._kwargs), InputNormStats, device)
+        first = list(itertools.takewhile(lambda n: n < REACH_TOKENS, itertools.accumulate(
+            h.shape[0] * h.shape[1] for h in hidden)))
+        reach = output_reach(work, todo, hidden[: len(first) + 1], lambda h: inputs.kwargs(idx, h), idx)
         for name, lin in todo.items():
-            measure(name, lin.weight.data, stats[name])
+            measure(name, lin.weight.data, stats[name], reach[name])
         for i, h in enumerate(hidden):
             hidden[i] = run_block(work, h, inputs.kwargs(idx, h))
         del work, stats
