@@ -475,6 +475,39 @@ def test_the_allocation_picks_by_sensitivity_and_refuses_what_no_mix_reaches(tin
     assert res.exit_code == 2 and not (tmp_path / "out").exists()
 
 
+class _TwoPaths(torch.nn.Module):
+    """A block whose residual stream takes ``loud``'s output as it is, ``quiet``'s a hundredth of it, and
+    ``dead``'s not at all."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.loud, self.quiet, self.dead = (torch.nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, h):
+        return (h + self.loud(h) + 0.01 * self.quiet(h) + 0 * self.dead(h),)
+
+
+def test_a_budget_weighs_each_linear_by_how_much_of_the_block_output_it_moves():
+    from slmedge.compress.engine import output_reach
+
+    block = _TwoPaths()
+    todo = {"loud": block.loud, "quiet": block.quiet, "dead": block.dead}
+    before = {name: lin.weight.detach().clone() for name, lin in todo.items()}
+    batches = [torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    reach = output_reach(block, todo, batches, lambda h: {}, seed=3)
+    with torch.no_grad():
+        out = sum(float(block(h)[0].pow(2).sum()) for h in batches)
+        loud = sum(float(block.loud(h).pow(2).sum()) for h in batches)
+        quiet = sum(float(block.quiet(h).pow(2).sum()) for h in batches)
+    # loud's output is the residual's own: the share it moves is its energy over the block output's
+    assert reach["loud"] == pytest.approx(loud / out, rel=1e-4)
+    assert reach["quiet"] == pytest.approx(1e-4 * quiet / out, rel=1e-3)  # a hundredth of it, squared
+    assert reach["dead"] == 0.0
+    assert all(torch.equal(lin.weight, before[name]) for name, lin in todo.items())  # the weights as they were
+    assert output_reach(block, todo, batches, lambda h: {}, seed=3) == reach  # seeded
+
+
 def test_a_budget_keeps_to_the_grids_it_is_given(wide_models, calib_file, tmp_path):
     # K-quants only: 256-wide inputs take Q4_K or Q6_K, the 288-wide down projection llama.cpp's
     # fallbacks for them (Q5_0, Q8_0); never the other grids, and still within 1% of the budget.

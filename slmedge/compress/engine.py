@@ -370,6 +370,7 @@ REACH_TOKENS = 4096
 REACH_NOISE = 1e-2
 
 
+@torch.no_grad()
 def output_reach(layer, todo: dict, batches: list, kwargs_of, seed: int) -> dict[str, float]:
     """Per linear of ``layer`` (fp32, on the compute device): how much of the block's output an error of
     its weight moves, ``E|y|^2 * (E|dh|^2 / E|dy|^2) / E|h|^2``: its output's energy, times the share of a
