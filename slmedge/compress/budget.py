@@ -7,11 +7,15 @@ block is compressed, one pass over the calibration data measures, for every line
 it can take, how much of its output the grid's rounding loses: the importance-weighted error of
 the grid's fit (``grid_fit.fit``, weighing by the input channels' mean squares) relative to the
 importance-weighted energy of the weight, ``sum_j imp_j |W_j - Q_j|^2 / sum_j imp_j |W_j|^2``: the
-noise-to-signal ratio of the layer's output under independent inputs. The choice of one grid per
-linear that minimises the sum of these ratios with the total within [1 - tolerance, 1] of the
-budget is then dynamic programming over the linears (sizes in steps of 1/100,000 of the budget;
-the true total of the chosen end state is checked). Measured on a subset of rows (every k-th, at most ``SENSITIVITY_ROWS``), which the ratio
-does not depend on in expectation.
+noise-to-signal ratio of the layer's output under independent inputs (measured on a subset of rows,
+every k-th, at most ``SENSITIVITY_ROWS``, which the ratio does not depend on in expectation). Each
+linear's ratios are then weighted by how much of its block's output (the residual stream) its output
+moves (``engine.output_reach``), so that the weighted ratio is the relative error of the residual
+stream the grid causes there: a ratio alone counts a key projection behind a softmax as much as a
+down projection added to the stream as it is. The choice of one grid per linear that minimises the
+sum of the weighted ratios with the total within [1 - tolerance, 1] of the budget is then dynamic
+programming over the linears (sizes in steps of 1/100,000 of the budget; the true total of the
+chosen end state is checked).
 """
 
 from __future__ import annotations

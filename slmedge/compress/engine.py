@@ -446,7 +446,7 @@ def budget_grids(model, arch: Architecture, recipe: Recipe, inputs: BlockInputs,
         stats = InputNormStats(head.in_features, device)
         for h in hidden:
             stats.add_batch(norm(h))
-        measure(arch.lm_head, head.weight.data.float(), stats)
+        measure(arch.lm_head, head.weight.data.float(), stats)  # its output is the logits: the ratio as it is
     picked = allocate(shapes, errors, recipe.bpw)
     if picked is None:  # check_budget refused what no choice reaches: this is not expected
         raise ConfigError(f"no choice of llama.cpp's grids lands within the budget of {recipe.bpw:g} bits per weight")
