@@ -372,13 +372,21 @@ REACH_NOISE = 1e-2
 
 @torch.no_grad()
 def output_reach(layer, todo: dict, batches: list, kwargs_of, seed: int) -> dict[str, float]:
-    """Per linear of ``layer`` (fp32, on the compute device): how much of the block's output an error of
+    """Per linear of ``layer`` (fp32, on the compute device), over the first ``batches`` up to
+    ``REACH_TOKENS`` tokens: how much of the block's output an error of
     its weight moves, ``E|y|^2 * (E|dh|^2 / E|dy|^2) / E|h|^2``: its output's energy, times the share of a
     small change of that output (``dy``, from seeded noise in the weight) that reaches the block's output
     (``dh``), over the block output's energy (the residual stream, h). A linear's noise-to-signal ratio
     on a grid times this is the relative error of the residual stream it causes: what makes the linears
     of one block (q/k behind a softmax, v and o straight on, a projection behind a norm) and of
     different blocks comparable."""
+    taken, seen = [], 0
+    for h in batches:  # the first batches, up to REACH_TOKENS tokens
+        if seen >= REACH_TOKENS:
+            break
+        taken.append(h)
+        seen += h.shape[0] * h.shape[1]
+    batches = taken
     clean = [run_block(layer, h, kwargs_of(h)) for h in batches]
     total = sum(float(o.double().pow(2).sum()) for o in clean)
     reach = {}
@@ -431,9 +439,7 @@ def budget_grids(model, arch: Architecture, recipe: Recipe, inputs: BlockInputs,
         _to_compute(work, device)
         todo = block_linears(work, arch, f"{arch.layers}.{idx}", recipe.skip)
         stats = collect_stats(work, idx, todo, BlockInputs(hidden, inputs._kwargs), InputNormStats, device)
-        first = list(itertools.takewhile(lambda n: n < REACH_TOKENS, itertools.accumulate(
-            h.shape[0] * h.shape[1] for h in hidden)))
-        reach = output_reach(work, todo, hidden[: len(first) + 1], lambda h: inputs.kwargs(idx, h), idx)
+        reach = output_reach(work, todo, hidden, lambda h: inputs.kwargs(idx, h), idx)
         for name, lin in todo.items():
             measure(name, lin.weight.data, stats[name], reach[name])
         for i, h in enumerate(hidden):

@@ -38,8 +38,8 @@ from .gguf_blocks import pack_blocks
 from .gguf_quant import (QTYPES, QType, cannot_place, check_requantized, codes_to_blocks,  # noqa: F401 - re-exported
                          grids_qtype, llamacpp_quantize, permute_rows, unpermute_rows)
 from .gguf_vocab import add_tokenizer, model_name, pre_tokenizer_name  # noqa: F401 - re-exported
-from .inspect import (MANIFEST_KEY, gguf_model_facts, gguf_rows, inspect_gguf, manifest_entry, pack_tensors,
-                      read_gguf_manifest)
+from .inspect import (MANIFEST_KEY, REQUANTIZED, gguf_model_facts, gguf_rows, inspect_gguf, manifest_entry,
+                      pack_tensors, read_gguf_manifest)
 from .source import ExportSource, iter_weights, open_export_source, weight_shapes
 from .verify import check_logits, probe_text, source_tokenizer, torch_logits
 
@@ -455,7 +455,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
                      "from unstructured sparsity")
     coded_requant = [n for n in requant if report_tensors[n].get("grid")]
     for name in requant:
-        report_tensors[name]["type"] = f"requantized by llama.cpp ({target.name})"
+        report_tensors[name]["type"] = f"{REQUANTIZED} ({target.name})"
     imatrix_info = None
     if importance is not None:
         importance, imatrix_info = _importance_for(importance, importance_meta, imatrix, requant, report_tensors,

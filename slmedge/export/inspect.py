@@ -291,6 +291,10 @@ def _by_type(rows) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["bytes"]))
 
 
+# How the manifest names a tensor slmedge left to llama.cpp's quantizer (followed by the file's type).
+REQUANTIZED = "requantized by llama.cpp"
+
+
 def inspect_gguf(path: Path) -> dict:
     import gguf
 
@@ -318,7 +322,7 @@ def inspect_gguf(path: Path) -> dict:
         # file's type there ("requantized by llama.cpp (q4_1)"); the type llama.cpp chose is the file's.
         chosen = {t.name: t.tensor_type.name for t in reader.tensors}
         for name, entry in list(manifest["tensors"].items()):  # unpacked entries may be one shared dict
-            if str(entry.get("type", "")).startswith("requantized by llama.cpp") and name in chosen:
+            if str(entry.get("type", "")).startswith(REQUANTIZED) and name in chosen:
                 manifest["tensors"][name] = {**entry, "type": f"{chosen[name]}, {entry['type']}"}
     params = sum(r[1] for r in rows)
     nbytes = sum(r[2] for r in rows)
