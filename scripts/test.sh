@@ -14,8 +14,8 @@ fi
 # The compressed-tensors readers of vLLM 0.33 and llm-compressor 0.14 (tests/test_ct_readers.py): one small
 # virtualenv each under .bench/ct-readers, made once per clone (~1 minute with pip's cache warm, 2 shared
 # cores); a failed build is retried on the next run, and those tests fail under CI=true (skip otherwise).
-if ! bash scripts/bench/ct_readers.sh; then
-  echo "error: scripts/bench/ct_readers.sh failed (above); the compressed-tensors reader tests will not run" >&2
+if ! bash benchmarks/ct_readers.sh; then
+  echo "error: benchmarks/ct_readers.sh failed (above); the compressed-tensors reader tests will not run" >&2
 fi
 # The e2e tests write converted models and f32 exports under the temp dir: ~3.3 GB at the peak
 # (measured in CI; a passing test's files go when it ends). Say so before a full disk fails them.

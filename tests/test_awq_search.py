@@ -1,7 +1,7 @@
 """AWQ's scale search taken in bf16: the losses track fp32's, the choice is fp32's, nothing leaks out.
 
 The search only ranks grid points; the statistics, the scales and the quantization stay fp32. On
-SmolLM2 (all 90 mappings, `scripts/bench/awq_search_dtype.py`) bf16 picks fp32's grid point in
+SmolLM2 (all 90 mappings, `git show 5f8f6c1:scripts/bench/awq_search_dtype.py`) bf16 picks fp32's grid point in
 all but a few mappings, at most a fraction of a percent above fp32's best loss; here the same is
 held on tiny real attention and MLP modules, and the bf16 path is shown to run in bf16.
 """

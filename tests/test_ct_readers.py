@@ -1,10 +1,10 @@
 """slmedge's compressed-tensors exports (written with the compressed-tensors this environment has) read
-by the releases the tools around slmedge pin, each in its own virtualenv (scripts/bench/ct_readers.sh):
+by the releases the tools around slmedge pin, each in its own virtualenv (benchmarks/ct_readers.sh):
 
 - compressed-tensors 0.17.0 with transformers 5.20 (vLLM 0.33's pins);
 - compressed-tensors 0.19.0 with transformers 5.17 (llm-compressor 0.14.0.1's pins).
 
-Each reader runs scripts/bench/ct_reader.py once over every checkpoint below, in a subprocess of its
+Each reader runs benchmarks/ct_reader.py once over every checkpoint below, in a subprocess of its
 own Python: transformers' ``from_pretrained`` (decompressed at load, and kept compressed until the
 first forward pass) and compressed-tensors' own ``CompressedTensorsDequantizer``. Every linear must
 decode to the artifact's weights bit for bit, and the logits must equal torch's of the artifact within
@@ -25,8 +25,8 @@ import torch
 from conftest import missing_prerequisite, require_import, single_scheme_transformers
 
 ROOT = Path(__file__).resolve().parent.parent
-READER_SCRIPT = ROOT / "scripts" / "bench" / "ct_reader.py"
-MAKE = "bash scripts/bench/ct_readers.sh"
+READER_SCRIPT = ROOT / "benchmarks" / "ct_reader.py"
+MAKE = "bash benchmarks/ct_readers.sh"
 # compressed-tensors release -> (the tool that pins it, the transformers minor it is read with)
 READERS = {"0.17.0": ("vLLM 0.33.0", "5.20"), "0.19.0": ("llm-compressor 0.14.0.1", "5.17")}
 
@@ -62,7 +62,7 @@ def readers_dir() -> Path:
 
 
 def reader_python(version: str) -> Path:
-    """The Python of a reader's virtualenv (made by scripts/bench/ct_readers.sh; its ``ready`` file is
+    """The Python of a reader's virtualenv (made by benchmarks/ct_readers.sh; its ``ready`` file is
     written last)."""
     venv = readers_dir() / f"ct-{version}"
     if not (venv / "ready").is_file():

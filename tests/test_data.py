@@ -191,7 +191,7 @@ def test_a_study_identifies_a_mix_by_every_file_it_reads():
 
 
 def test_the_default_calibration_holds_c4_and_every_shipped_language(tok):
-    # The default (measured in scripts/bench_calibration.py): C4 in every other window, and each
+    # The default (measured in benchmarks/calibration.py): C4 in every other window, and each
     # shipped multilingual language in turn in the others; compress, imatrix and run all use it.
     from slmedge.compress.recipe import Recipe
     from slmedge.data import DEFAULT_CALIBRATION

@@ -48,7 +48,7 @@ class _StubMatMul:
                     # Expand of a 1x1 zero, not ConstantOfShape: torch.onnx's shape inference computes
                     # a ConstantOfShape of constant shape in full and keeps the value until the export
                     # ends (every linear's fp32 weight at once: 15 GB for a 3.8B model); an Expand it
-                    # leaves alone (scripts/bench/onnx_stub_fold.py, scripts/bench_onnx_memory.py).
+                    # leaves alone (benchmarks/onnx_memory.py; git show 5f8f6c1:scripts/bench/onnx_stub_fold.py).
                     zero = g.op("Constant", value_t=torch.zeros(1, 1, dtype=torch.float16 if half else torch.float32))
                     shape = g.op("Constant", value_t=torch.tensor([in_features, out_features], dtype=torch.int64))
                     return g.op("MatMul", x, g.op("Expand", zero, shape))

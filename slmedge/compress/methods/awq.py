@@ -309,7 +309,7 @@ class AWQ(Method):
 
 # A half-precision search hands fp32 the grid points whose losses are within
 # max(REFINE_MARGIN, REFINE_NOISE * r) of its best, r being how far (relative) its loss of that
-# point is from fp32's. Measured on SmolLM2 along fp32's path (`scripts/bench/awq_search_dtype.py`):
+# point is from fp32's. Measured on SmolLM2 along fp32's path (`git show 5f8f6c1:scripts/bench/awq_search_dtype.py`):
 # at W4 g64 a fixed 2% kept fp32's best point in all 90 mappings, but at g32 it missed 3 (one
 # choice 81% above fp32's best loss, in block 11, whose massive activations bf16 rounds coarsely);
 # with the noise term (5 r) none of the 180 is missed, at 4.0-4.8 candidates per mapping.

@@ -1,10 +1,10 @@
 """Read compressed-tensors checkpoints as a tool pinned to this environment's releases reads them.
 
-Runs inside a reader virtualenv made by scripts/bench/ct_readers.sh (compressed-tensors 0.17.0 with
+Runs inside a reader virtualenv made by benchmarks/ct_readers.sh (compressed-tensors 0.17.0 with
 transformers 5.20, as vLLM 0.33 pins them; 0.19.0 with transformers 5.17, as llm-compressor 0.14
 does), never beside slmedge: it imports only torch, transformers, compressed-tensors and safetensors.
 
-    VENV/bin/python scripts/bench/ct_reader.py JOBS.json OUT_DIR
+    VENV/bin/python benchmarks/ct_reader.py JOBS.json OUT_DIR
 
 JOBS.json: {"ids": [token ids], "checkpoints": {"name": "folder", ...}}. For each checkpoint, three
 readings, each recorded as {"status": "ok"} or {"status": "error", "error": "Type: message"}:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Run one compression recipe with llm-compressor and measure perplexity.
 
-Runs INSIDE the llm-compressor virtualenv (scripts/bench/llmc_env.sh), never imports slmedge.
+Runs INSIDE the llm-compressor virtualenv (benchmarks/llmc_env.sh), never imports slmedge.
 
     python llmc_worker.py --model HF_DIR --calib calib.safetensors --eval eval.safetensors \
         --recipe '{"method": "gptq", "bits": 4, "group_size": 64, "symmetric": true}' \

@@ -4,7 +4,7 @@
 On SmolLM2-135M (the embedded default), with the same 32 x 512 C4 calibration tokens and the
 same WikiText-2 windows (4 x 2048) for both: per method, our time, their time, the ratio, our
 perplexity and theirs. llm-compressor runs in its own virtualenv (it needs transformers 5.x),
-created by scripts/bench/llmc_env.sh; it gets our token ids, never re-tokenizes. Times are the
+created by benchmarks/llmc_env.sh; it gets our token ids, never re-tokenizes. Times are the
 compression call alone (their ``oneshot``, our calibration + compression + writing the artifact
 block by block as ``slmedge compress`` does; ``--in-memory``: the whole model kept in fp32 and
 nothing written, what the tables of docs/development/notebook.md before 2026-12-02 timed), run one
@@ -14,8 +14,8 @@ The 1-minute load average (``uptime``) is recorded before and after each timed c
 else shared the cores, and both sides' times are then inflated (ratios within one run still
 compare like with like only when the loads are alike).
 
-    .venv/bin/python scripts/bench_compress.py                 # default methods
-    .venv/bin/python scripts/bench_compress.py --methods gptq,wanda --no-peer
+    .venv/bin/python benchmarks/compress_peers.py                 # default methods
+    .venv/bin/python benchmarks/compress_peers.py --methods gptq,wanda --no-peer
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ DEFAULT = "rtn,gptq,awq,magnitude,wanda,sparsegpt"
 
 
 def peer_python() -> Path:
-    """The Python of llm-compressor's virtualenv, created (idempotently) by scripts/bench/llmc_env.sh."""
-    subprocess.run(["bash", str(ROOT / "scripts" / "bench" / "llmc_env.sh")], check=True)
+    """The Python of llm-compressor's virtualenv, created (idempotently) by benchmarks/llmc_env.sh."""
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "llmc_env.sh")], check=True)
     return ROOT / os.environ.get("LLMC_VENV", ".bench/llmc-venv") / "bin" / "python"
 
 
@@ -125,7 +125,7 @@ def main() -> int:
         if peer_py is not None:
             out = work / f"{name}.json"
             load_before = os.getloadavg()[0]
-            subprocess.run([str(peer_py), str(ROOT / "scripts" / "bench" / "llmc_worker.py"), "--model",
+            subprocess.run([str(peer_py), str(ROOT / "benchmarks" / "llmc_worker.py"), "--model",
                             str(load(None).hf_dir), "--calib", str(work / "calib.safetensors"), "--eval",
                             str(work / "eval.safetensors"), "--recipe", json.dumps(theirs), "--out", str(out)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -9,20 +9,20 @@ whether each loads in the other tool's reader, with the logits' agreement:
 - ours: ``slmedge compress`` then ``slmedge export --format compressed-tensors`` (slmedge's .venv:
   the compressed-tensors release it has, 0.17-0.20, and transformers 5);
 - theirs: llm-compressor's ``oneshot`` + ``save_pretrained(save_compressed=True)`` in its own
-  virtualenv (scripts/bench/llmc_env.sh: transformers 5.17, the compressed-tensors llmcompressor pins);
+  virtualenv (benchmarks/llmc_env.sh: transformers 5.17, the compressed-tensors llmcompressor pins);
 - each checkpoint is loaded by ``AutoModelForCausalLM.from_pretrained`` in both environments and
   its logits on the probe compared: ours against the artifact's own weights, theirs across readers;
 - both checkpoints are read by the compressed-tensors readers of vLLM 0.33 (0.17.0, transformers 5.20)
   and llm-compressor 0.14 (0.19.0, transformers 5.17) in their own virtualenvs
-  (scripts/bench/ct_readers.sh, scripts/bench/ct_reader.py): ours must decode to the artifact's weights
+  (benchmarks/ct_readers.sh, benchmarks/ct_reader.py): ours must decode to the artifact's weights
   bit for bit (transformers' fp32 load) and give its logits.
 
 The size of a checkpoint does not depend on how much calibration data chose its codes, so the
 calibration is small by default (16 x 256 tokens) to keep the run short on 2 cores.
 
-    .venv/bin/python scripts/bench_compressed_tensors.py
-    .venv/bin/python scripts/bench_compressed_tensors.py --nsamples 32 --seqlen 512 --keep .bench/ct
-    .venv/bin/python scripts/bench_compressed_tensors.py --no-peer   # ours, in every reader
+    .venv/bin/python benchmarks/compressed_tensors_peers.py
+    .venv/bin/python benchmarks/compressed_tensors_peers.py --nsamples 32 --seqlen 512 --keep .bench/ct
+    .venv/bin/python benchmarks/compressed_tensors_peers.py --no-peer   # ours, in every reader
 """
 
 from __future__ import annotations
@@ -43,9 +43,8 @@ from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_compress import peer_python  # noqa: E402 - scripts/, beside this file
+from compress_peers import peer_python  # noqa: E402 - beside this file
 from slmedge.compress.api import compress  # noqa: E402
 from slmedge.compress.recipe import Recipe  # noqa: E402
 from slmedge.data.calibration import load_calibration  # noqa: E402
@@ -111,9 +110,9 @@ READER_VERSIONS = ("0.17.0", "0.19.0")  # vLLM 0.33's and llm-compressor 0.14's 
 
 
 def ct_readers(checkpoints: dict[str, Path], ids: list[int], work: Path) -> dict:
-    """Each checkpoint read by each compressed-tensors reader (scripts/bench/ct_reader.py in the reader's
-    virtualenv, made by scripts/bench/ct_readers.sh): version -> its results.json and output folder."""
-    subprocess.run(["bash", str(ROOT / "scripts" / "bench" / "ct_readers.sh")], check=True)
+    """Each checkpoint read by each compressed-tensors reader (benchmarks/ct_reader.py in the reader's
+    virtualenv, made by benchmarks/ct_readers.sh): version -> its results.json and output folder."""
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "ct_readers.sh")], check=True)
     root = Path(os.environ.get("CT_READERS_DIR") or ROOT / ".bench" / "ct-readers")
     runs = {}
     for version in READER_VERSIONS:
@@ -122,7 +121,7 @@ def ct_readers(checkpoints: dict[str, Path], ids: list[int], work: Path) -> dict
         out.mkdir(parents=True)
         (out / "jobs.json").write_text(json.dumps({"ids": ids, "checkpoints": {k: str(v) for k, v in checkpoints.items()}}))
         t = time.perf_counter()
-        subprocess.run([str(root / f"ct-{version}" / "bin" / "python"), str(ROOT / "scripts" / "bench" / "ct_reader.py"),
+        subprocess.run([str(root / f"ct-{version}" / "bin" / "python"), str(ROOT / "benchmarks" / "ct_reader.py"),
                         str(out / "jobs.json"), str(out)], check=True, env={**os.environ, "PYTHONPATH": ""},
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         runs[version] = (json.loads((out / "results.json").read_text()), out, round(time.perf_counter() - t, 1))
@@ -161,7 +160,7 @@ def main() -> int:
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--no-peer", action="store_true", help="only our checkpoint")
     ap.add_argument("--no-readers", action="store_true",
-                    help="skip the compressed-tensors 0.17.0 / 0.19.0 readers (scripts/bench/ct_readers.sh)")
+                    help="skip the compressed-tensors 0.17.0 / 0.19.0 readers (benchmarks/ct_readers.sh)")
     ap.add_argument("--keep", default=None, help="keep the checkpoints in this folder")
     ap.add_argument("--out", default=str(ROOT / ".bench" / "compressed_tensors_results.json"))
     args = ap.parse_args()
@@ -203,7 +202,7 @@ def main() -> int:
         shutil.rmtree(theirs, ignore_errors=True)
         recipe = {"method": "gptq", "bits": 4, "group_size": args.group_size, "symmetric": True}
         t = time.perf_counter()
-        subprocess.run([str(peer_py), str(ROOT / "scripts" / "bench" / "llmc_worker.py"), "--model", str(hf_dir),
+        subprocess.run([str(peer_py), str(ROOT / "benchmarks" / "llmc_worker.py"), "--model", str(hf_dir),
                         "--calib", str(work / "calib.safetensors"), "--eval", str(work / "eval.safetensors"),
                         "--recipe", json.dumps(recipe), "--out", str(work / "llmc.json"), "--save-dir", str(theirs)],
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Benchmark (issue 39): three ways to make the ONNX decoder without optimum-onnx, measured side by side.
 
-    .venv/bin/python scripts/bench/onnx_candidates.py MODEL_FOLDER --work /tmp/onnx-cand
-    .venv/bin/python scripts/bench/onnx_candidates.py /tmp/phi --work /tmp/onnx-cand --candidates tracer,builder --no-score
+    .venv/bin/python benchmarks/onnx_candidates.py MODEL_FOLDER --work /tmp/onnx-cand
+    .venv/bin/python benchmarks/onnx_candidates.py /tmp/phi --work /tmp/onnx-cand --candidates tracer,builder --no-score
 
 MODEL_FOLDER is a Hugging Face folder with safetensors weights (for SmolLM2-135M, the folder slmedge
 converts its embedded GGUF into: ``slmedge inspect smollm2-135m`` names it; for Phi-3.5-mini's shape, a
@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CANDIDATES = ("tracer", "dynamo", "builder")
 
 

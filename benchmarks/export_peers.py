@@ -18,8 +18,8 @@ fp32, so llama.cpp's q4_1 of this "base" lands back on the original grid almost 
 
 Everything runs one after the other (never two timed things at once: 2 cores).
 
-    .venv/bin/python scripts/bench_export.py
-    .venv/bin/python scripts/bench_export.py --windows 8 --seqlen 512 --workdir .bench/export
+    .venv/bin/python benchmarks/export_peers.py
+    .venv/bin/python benchmarks/export_peers.py --windows 8 --seqlen 512 --workdir .bench/export
 """
 
 from __future__ import annotations

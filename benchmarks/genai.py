@@ -16,8 +16,8 @@ taking turns run by run. Everything runs one after the other with the same threa
 two timed things at once). Perplexity of the
 genai folder in both ONNX runtimes is printed too (the same file: they should agree).
 
-    .venv/bin/python scripts/bench_genai.py
-    .venv/bin/python scripts/bench_genai.py --threads 2 --gen 64 --repeats 5 --workdir .bench/genai
+    .venv/bin/python benchmarks/genai.py
+    .venv/bin/python benchmarks/genai.py --threads 2 --gen 64 --repeats 5 --workdir .bench/genai
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ On SmolLM2-135M (the embedded default):
 
 Needs ``pip install lm_eval`` (the ``bench`` extra). Runs one thing at a time (2 cores).
 
-    .venv/bin/python scripts/bench_evaluate.py
-    .venv/bin/python scripts/bench_evaluate.py --tasks arc_easy,piqa --limit 100
+    .venv/bin/python benchmarks/evaluate_peers.py
+    .venv/bin/python benchmarks/evaluate_peers.py --tasks arc_easy,piqa --limit 100
 """
 
 from __future__ import annotations

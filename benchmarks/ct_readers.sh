@@ -11,7 +11,7 @@
 #   CT_TORCH        torch requirement installed first (default torch==2.13.0)
 # pip's cache stays on: a second machine-wide run takes seconds.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 
 ROOT=${CT_READERS_DIR:-.bench/ct-readers}
 PYTHON=${PYTHON:-python3.11}

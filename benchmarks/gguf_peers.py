@@ -35,9 +35,9 @@ in WORK is reused when its inputs are unchanged (each step's inputs are in its `
 everything slmedge made or scored counts slmedge's own source among them, so a changed slmedge
 makes its files and all scores again, and llama.cpp's files when the base or the text changed).
 
-    .venv/bin/python scripts/bench_gguf.py                       # both embedded models, all rows
-    .venv/bin/python scripts/bench_gguf.py --models smollm2-135m --nsamples 32 --methods none
-    .venv/bin/python scripts/bench_gguf.py --types Q4_K_M Q5_K_M --methods none --match-sizes gptq rtn-q4_k+q6_k
+    .venv/bin/python benchmarks/gguf_peers.py                       # both embedded models, all rows
+    .venv/bin/python benchmarks/gguf_peers.py --models smollm2-135m --nsamples 32 --methods none
+    .venv/bin/python benchmarks/gguf_peers.py --types Q4_K_M Q5_K_M --methods none --match-sizes gptq rtn-q4_k+q6_k
 """
 
 from __future__ import annotations

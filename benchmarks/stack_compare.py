@@ -2,10 +2,10 @@
 """Issue 39's before/after check: the same commands on two Python stacks, their codes and numbers side by side.
 
     # once per stack: its python (a venv's) and the slmedge checkout it runs (PYTHONPATH)
-    python scripts/bench/stack_compare.py run --python /path/old/venv/bin/python --checkout /path/old/slmedge \\
+    python benchmarks/stack_compare.py run --python /path/old/venv/bin/python --checkout /path/old/slmedge \\
         --label old --work /tmp/stack
-    python scripts/bench/stack_compare.py run --python .venv/bin/python --checkout . --label new --work /tmp/stack
-    python scripts/bench/stack_compare.py table --work /tmp/stack old new
+    python benchmarks/stack_compare.py run --python .venv/bin/python --checkout . --label new --work /tmp/stack
+    python benchmarks/stack_compare.py table --work /tmp/stack old new
 
 What ``run`` does, with ``slmedge`` of that checkout on that python (every step a CLI command):
 - the main job's artifact: ``slmedge compress smollm2-135m --method awq --bits 4 --group-size 32`` (asymmetric,
@@ -121,7 +121,7 @@ def run(args) -> None:
             record["perplexity"][f"{name} {what}"] = perplexities(report)
     tiny = work / "tiny-llama"
     if not (tiny / "config.json").is_file():  # the first run makes it; the second compresses the same files
-        tests = Path(__file__).resolve().parents[2] / "tests"
+        tests = Path(__file__).resolve().parents[1] / "tests"
         subprocess.run([py, "-c", f"import sys; sys.path.insert(0, {str(tests)!r}); from tiny import "
                         f"save_tiny, calib_text; save_tiny('llama', {str(tiny)!r}, layers=4); "
                         f"calib_text({str(work / 'calib.txt')!r})"], env={**os.environ, "PYTHONPATH": str(co)}, check=True)

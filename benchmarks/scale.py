@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Benchmark (issue 17): peak memory, time and sizes of every stage, on each shipped shape.
 
-    .venv/bin/python scripts/bench_scale.py                                    # all six shapes, smallest first
-    .venv/bin/python scripts/bench_scale.py --shapes Qwen2.5-0.5B-Instruct --layers 2   # a quick run
-    .venv/bin/python scripts/bench_scale.py --shapes Phi-3.5-mini-instruct --stages rtn,gguf --json out.json
+    .venv/bin/python benchmarks/scale.py                                    # all six shapes, smallest first
+    .venv/bin/python benchmarks/scale.py --shapes Qwen2.5-0.5B-Instruct --layers 2   # a quick run
+    .venv/bin/python benchmarks/scale.py --shapes Phi-3.5-mini-instruct --stages rtn,gguf --json out.json
 
 For each shape (random bf16 weights made by scripts/make_random_model.py; random weights say
 nothing about quality, everything about memory and time), each stage in its own child process,
@@ -76,8 +76,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_memory import folder_bytes  # noqa: E402
 
 SHAPES = ROOT / "slmedge" / "data" / "shapes" / "shapes.json"
 STAGES = ("rtn", "gguf", "onnx", "ppl", "wanda", "gptq", "awq")  # the order they run in: the slow ones last
@@ -85,6 +83,10 @@ DEFAULT_STAGES = STAGES[:-1]  # awq (the default method, at its default 128 x 51
 GROUP = 128
 BITS = 4
 SPARSITY = 0.5  # Wanda's
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def shapes_by_size() -> list[tuple[str, int]]:
@@ -227,7 +229,7 @@ def fit(xs: list[float], ys: list[float]) -> dict | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="bench_scale.py", description=__doc__,
+    ap = argparse.ArgumentParser(prog="benchmarks/scale.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=None, help="comma-separated shipped shapes (default: all, smallest first)")
     ap.add_argument("--stages", default=",".join(DEFAULT_STAGES),
@@ -282,7 +284,7 @@ def main(argv=None) -> int:
     slm = [python, "-m", "slmedge"]
     max_rss = int(args.max_rss_gb * 1e9)
     results = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-               "command": " ".join([".venv/bin/python", "scripts/bench_scale.py", *(argv or sys.argv[1:])]),
+               "command": " ".join([".venv/bin/python", "benchmarks/scale.py", *(argv or sys.argv[1:])]),
                "cpus": os.cpu_count(), "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                "layers": args.layers, "shapes": {}}
     print(f"{results['date']}: {os.cpu_count()} CPUs, {results['mem_total_bytes'] / 2**30:.1f} GiB RAM "

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Benchmark: peak RSS and time of `slmedge export ART --format onnx`, with where the peak comes from.
 
-    .venv/bin/python scripts/bench_onnx_memory.py /tmp/o_art /tmp/o_onnx              # whole command
-    .venv/bin/python scripts/bench_onnx_memory.py /tmp/o_art /tmp/o_onnx --stages      # per stage
+    .venv/bin/python benchmarks/onnx_memory.py /tmp/o_art /tmp/o_onnx              # whole command
+    .venv/bin/python benchmarks/onnx_memory.py /tmp/o_art /tmp/o_onnx --stages      # per stage
 
 Without ``--stages``: ``slmedge export ART --format onnx --type TYPE -o OUT --overwrite`` in a
 child process; its peak RSS is the kernel's high-water mark of that process (ru_maxrss from

@@ -6,7 +6,7 @@
 #   LLMC_TORCH     torch requirement installed first (default torch==2.13.0, the local CPU build)
 # pip's cache stays on. Prints the installed llmcompressor / torch / transformers versions.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 
 VENV=${LLMC_VENV:-.bench/llmc-venv}
 PYTHON=${PYTHON:-python3.11}

@@ -11,7 +11,7 @@ On SmolLM2-135M exported to GGUF f16 and q4_0 (the embedded default):
    steps under qemu; parity against native x86 (perplexity, max |delta log-prob| per token);
    the timing shown as emulated, never as device latency.
 
-    .venv/bin/python scripts/bench_targets.py            # run it with nothing else on the machine
+    .venv/bin/python benchmarks/targets.py            # run it with nothing else on the machine
 """
 
 from __future__ import annotations

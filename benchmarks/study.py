@@ -3,10 +3,10 @@
 artifacts saved against running every evaluation's chain alone — and the seed study's findings
 checked one by one on whatever the store holds.
 
-    .venv/bin/python scripts/bench_study.py                          # the quick study (~30 min, 2 cores)
-    .venv/bin/python scripts/bench_study.py --study scripts/studies/seed.toml   # the seed grid (hours; resumable)
-    .venv/bin/python scripts/bench_study.py --study scripts/studies/seed.toml --models smollm2-135m
-    .venv/bin/python scripts/bench_study.py --study scripts/studies/seed.toml --findings-only   # both models, run nothing
+    .venv/bin/python benchmarks/study.py                          # the quick study (~30 min, 2 cores)
+    .venv/bin/python benchmarks/study.py --study scripts/studies/seed.toml   # the seed grid (hours; resumable)
+    .venv/bin/python benchmarks/study.py --study scripts/studies/seed.toml --models smollm2-135m
+    .venv/bin/python benchmarks/study.py --study scripts/studies/seed.toml --findings-only   # both models, run nothing
 
 Findings checked per model (the seed study's claims): quantization ahead of pruning on fidelity
 (mean KL, top-1), on multilingual perplexity (geometric mean over corpora) and on task accuracy

@@ -15,8 +15,8 @@ calibration should win on the languages, not only on English.
 Runs one step after another. Resumable: an artifact or score already in WORK is reused while its
 inputs (model, options, calibration, sizes, slmedge's source) are unchanged.
 
-    .venv/bin/python scripts/bench_calibration.py
-    .venv/bin/python scripts/bench_calibration.py --models smollm2-135m --methods gptq-iq4_xs --nsamples 64
+    .venv/bin/python benchmarks/calibration.py
+    .venv/bin/python benchmarks/calibration.py --models smollm2-135m --methods gptq-iq4_xs --nsamples 64
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_gguf import METHODS, fresh, log, run, slmedge, stamp  # noqa: E402
+from gguf_peers import METHODS, fresh, log, run, slmedge, stamp  # noqa: E402
 
 CALIBRATIONS = ("c4", "multilingual", "c4+multilingual")
 DEFAULT_METHODS = ("gptq-iq4_xs", "awq-iq4_xs", "gptq-q4_k")

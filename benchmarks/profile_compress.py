@@ -1,6 +1,6 @@
 """Where compress() spends its time: perf_counter wrappers around the engine's and the methods' functions.
 
-    .venv/bin/python scripts/bench/profile_compress.py gptq [--blocks N] [--cprofile] [--ppl] [--write DIR]
+    .venv/bin/python benchmarks/profile_compress.py gptq [--blocks N] [--cprofile] [--ppl] [--write DIR]
         [--bound-heap | --heap MMAP_MIB,TRIM_MIB]
 
 No source is edited: the wrappers are installed at import. --blocks N keeps the first N decoder
@@ -11,7 +11,7 @@ rtn, gptq, awq, wanda, sparsegpt, magnitude, with the benchmark's settings (32 x
 """
 import sys, time, json, collections, functools
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from slmedge.compress import engine, blocks
 from slmedge.compress.methods import base as mbase, gptq as mgptq, sparsegpt as msg, wanda as mw, awq as mawq
@@ -83,8 +83,8 @@ print(method, "timings", out.result.timings, "wall", round(wall, 2))
 for k, v in sorted(T.items(), key=lambda x: -x[1]):
     print(f"  {k:<45} {v:8.2f} s  calls {N[k]}")
 if "--ppl" in sys.argv:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench_compress import eval_ppl
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # compress_peers.py, beside this file
+    from compress_peers import eval_ppl
     from slmedge.evaluate.corpora import load_corpus
     from slmedge.evaluate.perplexity import windows_of
     windows, _ = windows_of(out.loaded.tokenizer, load_corpus("wikitext2"), 2048, 4)
