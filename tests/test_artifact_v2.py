@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from conftest import small_recipe
+from conftest import require_import, small_recipe
 from slmedge.compress.api import compress
 from slmedge.compress.artifact import MANIFEST, QUANT_FILE, WEIGHTS_FILE, Artifact, write_artifact
 from slmedge.errors import ArtifactError, SlmedgeError
@@ -309,7 +309,7 @@ def _gguf_manifest(path: Path) -> dict:
                                              ("wanda", dict(bits=None, sparsity=0.5), "f32"),
                                              ("sparsegpt", dict(bits=4, sparsity=0.5), "auto")])
 def test_gguf_exports_of_v1_and_v2_are_byte_identical(method, kw, qtype, tiny_models, calib_file, tmp_path):
-    pytest.importorskip("llama_cpp")
+    require_import("llama_cpp")
     from slmedge.export.gguf import export_gguf
 
     v1, v2, _ = both_versions(tiny_models("llama"), calib_file, tmp_path, method, **kw)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version  # pytest's own dependency
 
 from conftest import missing_prerequisite
 
@@ -184,7 +185,7 @@ def test_slmedge_installs_beside_vllm_and_gptqmodel(tmp_path):
     assert set(by_peer) == {None, "vllm==0.33.0", "gptqmodel==7.7.0", "llmcompressor==0.14.0.1"}
     vllm = by_peer["vllm==0.33.0"]["versions"]
     assert vllm["vllm"] == "0.33.0" and vllm["torch"] == "2.14.0" and vllm["compressed-tensors"] == "0.17.0"
-    assert "5.16.1" <= vllm["transformers"] < "5.21" and vllm["slmedge"]
+    assert Version("5.16.1") <= Version(vllm["transformers"]) < Version("5.21") and vllm["slmedge"]
     gptq = by_peer["gptqmodel==7.7.0"]["versions"]
-    assert gptq["gptqmodel"] == "7.7.0" and tuple(map(int, gptq["transformers"].split(".")[:3])) >= (5, 20, 2)
+    assert gptq["gptqmodel"] == "7.7.0" and Version(gptq["transformers"]) >= Version("5.20.2")
     assert "package" in proc.stdout and "+ gptqmodel==7.7.0" in proc.stdout

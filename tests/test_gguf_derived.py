@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import one_line_error
+from conftest import one_line_error, require_import
 
 from slmedge.cli import app
 from slmedge.export.formats import get_format
@@ -20,7 +20,7 @@ EVAL = ["--metrics", "perplexity", "--langs", "", "--no-wikitext", "--seqlen", "
 
 def _llama_quantize(src: Path, dst: Path, ftype: int) -> None:
     """What `llama-quantize src dst TYPE` does, through llama.cpp's own API (llama-cpp-python)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = require_import("llama_cpp")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))

@@ -376,15 +376,30 @@ def test_pruning_onto_a_grid_keeps_pruned_weights_zero_and_refuses_grids_without
 # --- the artifact --------------------------------------------------------------------------------------
 
 
-def test_grid_artifacts_are_format_version_3_and_uniform_ones_stay_2(artifacts, tmp_path):
+def test_grid_artifacts_are_format_version_3_and_uniform_ones_stay_2(artifacts, tiny_models, tmp_path):
+    from safetensors.torch import load_file
+
     uniform = Artifact.open(artifacts("llama", "rtn", bits=4, group_size=32, symmetric=True))
     on_grid = Artifact.open(artifacts("llama", "rtn", grid="q4_0"))
     assert uniform.version == 2 and on_grid.version == 3
     entry = next(iter(on_grid.manifest["layers"].values()))
     assert entry["grid"] == "q4_0" and entry["bits"] == 4 and "group_size" not in entry
-    # the same codes as the uniform grid's symmetric 4-bit g32 (Q4_0's min/max scale is one of the search's)
+    # Q4_0 is the uniform symmetric 4-bit grid in blocks of 32 (levels d * (q - 8)): each code is that grid's
+    # rounding of the weight at its block's scale d, which the search chose (the uniform artifact's min/max
+    # scale is one of its candidates: where it chose that one, the codes are the uniform artifact's own).
+    weights = load_file(str(tiny_models("llama") / "model.safetensors"))
+    shared = 0
+    uniform_layers = uniform.layers()
     for name, res in on_grid.layers().items():
         assert res.codes.dtype == torch.uint8 and res.fields["d"].dtype == torch.float16
+        d = res.fields["d"].float().repeat_interleave(32, dim=1)
+        rounded = torch.clamp(torch.round(weights[name + ".weight"].float() / d) + 8, 0, 15)
+        assert torch.equal(res.codes.long(), rounded.long()), name
+        u = uniform_layers[name]
+        same = (res.fields["d"].float() == u.scales.float()).repeat_interleave(32, dim=1)
+        assert torch.equal(res.codes.long()[same], u.codes.long()[same]), name
+        shared += int(same.sum())
+    assert shared  # some blocks did take the min/max scale (else the last check compared nothing)
     manifest = json.loads((on_grid.path / "slmedge.json").read_text())
     manifest["format_version"] = 4
     import shutil

@@ -17,7 +17,7 @@ from slmedge.compress.methods.base import HessianStats, InputNormStats, rtn_resu
 from slmedge.compress.methods.gptq import gptq_quantize
 from slmedge.compress.methods.pruning import prune_by_score, smallest_k
 from slmedge.compress.methods.sparsegpt import sparsegpt_prune
-from slmedge.compress.quant import QuantSpec, dequantize_codes, quantize_groups
+from slmedge.compress.quant import QuantSpec, dequantize_codes, group_params, quantize_groups
 from slmedge.compress.recipe import Recipe, Sparsity
 from slmedge.models.architectures import Architecture, AWQMapping
 
@@ -58,7 +58,15 @@ def test_gptq_act_order_keeps_groups_contiguous():
     spec = QuantSpec(4, 16, False)
     Q, codes, scales, zeros, perm = gptq_quantize(W, H.H, spec, actorder=True)
     assert scales.shape == (48, 4)
-    assert not torch.equal(perm, torch.arange(64))
+    # act order visits the columns out of order, across groups (else the test would show nothing) ...
+    assert any(sorted(perm[g * 16:(g + 1) * 16].tolist()) != list(range(g * 16, (g + 1) * 16)) for g in range(4))
+    # ... yet each group is 16 adjacent columns of the original order: its scale and zero point are those
+    # columns' own, and its codes give back those columns of Q
+    for g in range(4):
+        cols = slice(g * 16, (g + 1) * 16)
+        s, z = group_params(W[:, cols], spec)
+        assert torch.equal(scales[:, g:g + 1], s) and torch.equal(zeros[:, g:g + 1], z)
+        assert torch.equal(dequantize_codes(codes[:, cols], s, z, spec), Q[:, cols])
 
 
 @pytest.mark.parametrize("sparsity,block", [("0.5", 16), ("0.75", 32), ("0.3", 24)])
