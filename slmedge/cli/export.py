@@ -62,6 +62,8 @@ def export_command(
     block_size: int = typer.Option(32, "--block-size", help="ONNX: onnxruntime quantizer's block for weights without codes."),
     accuracy_level: int = typer.Option(4, "--accuracy-level", help="ONNX MatMulNBits accuracy_level: 4 (default) multiplies with int8-quantized activations, as llama.cpp does, several times faster on CPU; 0 computes in fp32 (exact, slow for the 8-bit head)."),
     keep_fp32_head: bool = typer.Option(False, "--keep-fp32-head", help="ONNX int4/int8: leave lm_head and the embedding in fp32 (default: 8-bit head, fp16 embedding)."),
+    embedding_type: str = typer.Option("fp16", "--embedding-type", help="ONNX int4/int8: the token embedding: fp16 (default), int8 or int4 (com.microsoft GatherBlockQuantized, --block-size blocks, scales searched for the least error; a tied head of the same type and block shares its codes)."),
+    head_type: str = typer.Option("int8", "--head-type", help="ONNX with codes: the head and other linears without codes as MatMulNBits: int8 (default, symmetric) or int4 (zero points), --block-size blocks, scales searched for the least error."),
     keep_f16_uncoded: bool = typer.Option(False, "--keep-f16-uncoded", help="GGUF with codes: keep tensors the recipe left alone (embedding, head) at f16 instead of llama.cpp's choice for the type."),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="GGUF: an importance matrix in llama.cpp's format (slmedge imatrix or llama-imatrix) that weights llama.cpp's quantizer, as llama-quantize --imatrix does."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision."),
@@ -84,13 +86,14 @@ def export_command(
 
     supervised("export")  # a crash in llama.cpp or onnxruntime: one line naming it and the file
     with errors_to_exit():
-        _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level, revision, block_size, imatrix)
-        with warnings.catch_warnings(record=True) as caught:
+        _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level, revision, block_size, imatrix,
+                      embedding_type, head_type, keep_fp32_head)
+        with warnings.catch_warnings(record=True) as caught, progress_bar():  # tensor by tensor, on stderr
             warnings.simplefilter("always")
             report = export(source, fmt, qtype, output, exact=exact, verify=verify, overwrite=overwrite,
                             n_threads=threads, block_size=block_size, accuracy_level=accuracy_level,
                             keep_fp32_head=keep_fp32_head, keep_f16_uncoded=keep_f16_uncoded, revision=revision,
-                            imatrix=imatrix)
+                            imatrix=imatrix, embedding_type=embedding_type, head_type=head_type)
         for w in caught:
             if issubclass(w.category, UserWarning) and "slmedge" in str(getattr(w, "filename", "")):
                 err_console.print(f"[yellow]warning:[/] {w.message}", highlight=False, soft_wrap=True)
@@ -101,14 +104,15 @@ def export_command(
 
 
 def _check_export(source, fmt, qtype, output, overwrite, threads, accuracy_level, revision, block_size=32,
-                  imatrix=None) -> None:
+                  imatrix=None, embedding_type="fp16", head_type="int8", keep_fp32_head=False) -> None:
     """Everything an export can be refused for without reading the model: the format and its type,
     the ranges, the source (resolved: a missing one writes nothing), the output location."""
     from ..errors import OutputExistsError
     from ..export.api import check_export_options, default_output
 
     target = check_export_options(fmt, qtype, accuracy_level=accuracy_level, n_threads=threads,
-                                  block_size=block_size, imatrix=imatrix)
+                                  block_size=block_size, imatrix=imatrix, embedding_type=embedding_type,
+                                  head_type=head_type, keep_fp32_head=keep_fp32_head)
     src = check_model(source, revision)
     if output is not None:
         out = Path(output)

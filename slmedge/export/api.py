@@ -38,7 +38,8 @@ def default_output(folder: Path, fmt: str, qtype: str) -> Path:
 
 
 def check_export_options(fmt: str, qtype: str = "auto", *, accuracy_level: int = 4, n_threads: int | None = None,
-                         block_size: int = 32, imatrix=None):
+                         block_size: int = 32, imatrix=None, embedding_type: str = "fp16", head_type: str = "int8",
+                         keep_fp32_head: bool = False):
     """The format, its type and every range, checked before any work (ConfigError, exit 2); returns
     the format. The CLI and ``export()`` both call it."""
     from .errors import ExportError
@@ -59,6 +60,12 @@ def check_export_options(fmt: str, qtype: str = "auto", *, accuracy_level: int =
         from .imatrix import read_imatrix
 
         read_imatrix(imatrix)  # a file llama-quantize would refuse is refused now, before any work
+    if (embedding_type, head_type) != ("fp16", "int8"):
+        if "embedding_type" not in target.options:
+            raise ConfigError(f"--embedding-type and --head-type are for --format onnx and onnxruntime-genai, not {fmt}")
+        from .onnx import check_head_options
+
+        check_head_options(embedding_type, head_type, keep_fp32_head)
     if "block_size" in target.options:
         check("export_block_size", block_size, "--block-size")
         if block_size & (block_size - 1):
@@ -69,14 +76,15 @@ def check_export_options(fmt: str, qtype: str = "auto", *, accuracy_level: int =
 def export(spec: str | None, fmt: str, qtype: str = "auto", output=None, *, exact: bool = False, verify: bool = True,
            overwrite: bool = False, n_threads: int | None = None, block_size: int = 32, accuracy_level: int = 4,
            keep_fp32_head: bool = False, keep_f16_uncoded: bool = False, revision: str | None = None,
-           imatrix=None) -> dict:
+           imatrix=None, embedding_type: str = "fp16", head_type: str = "int8") -> dict:
     """Write ``spec`` in the registered format ``fmt``; returns the writer's report."""
     import contextlib
 
     from ..fsutil import output_lock
 
     target = check_export_options(fmt, qtype, accuracy_level=accuracy_level, n_threads=n_threads,
-                                  block_size=block_size, imatrix=imatrix)
+                                  block_size=block_size, imatrix=imatrix, embedding_type=embedding_type,
+                                  head_type=head_type, keep_fp32_head=keep_fp32_head)
     with contextlib.ExitStack() as held:
         if output is not None:  # one writer per output, refused before a source is converted or read
             target.check_output(Path(output))
@@ -86,6 +94,6 @@ def export(spec: str | None, fmt: str, qtype: str = "auto", output=None, *, exac
         target.check_output(out)
         options = target.writer_options({"block_size": block_size, "accuracy_level": accuracy_level,
                                          "keep_fp32_head": keep_fp32_head, "keep_f16_uncoded": keep_f16_uncoded,
-                                         "imatrix": imatrix})
+                                         "imatrix": imatrix, "embedding_type": embedding_type, "head_type": head_type})
         return target.write(folder, out, qtype, exact=exact, verify=verify, overwrite=overwrite, n_threads=n_threads,
                             **options)

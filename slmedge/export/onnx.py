@@ -56,6 +56,9 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "fp16": {"mean_kl": 2e-3, "top1": 0.9},
     "kept": {"mean_kl": 0.02, "top1": 0.85},
     "requantized": {"mean_kl": 0.5, "top1": 0.3},
+    # codes kept, the head or the embedding 4-bit (--head-type/--embedding-type int4): a 4-bit head moves
+    # every logit a little, and the nearly flat logits of a tiny random model change their argmax often
+    "kept-4bit-tables": {"mean_kl": 0.05, "top1": 0.6},
 }
 
 
@@ -172,6 +175,185 @@ def embeddings_to_fp16(model, min_elements: int = 1 << 20) -> list[str]:
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     return changed
+
+
+EMBEDDING_TYPES = ("fp16", "int8", "int4")  # the token embedding: fp16 behind a Cast, or GatherBlockQuantized
+HEAD_TYPES = ("int8", "int4")  # linears without codes (the head, skipped ones) beside an artifact's codes: MatMulNBits
+# The range shrinks a block's scale is searched over (its min and max times each), the one with the
+# least squared error kept per block: llama.cpp's make_qx_quants idea on onnxruntime's (scale, zero point) grid.
+CLIPS = tuple(round(1.0 - 0.025 * i, 3) for i in range(17))  # 1.0 ... 0.6
+_SEARCH_ROWS = 8192  # rows searched at once (a 262k-row embedding's fp32 copies stay small)
+
+
+def searched_codes(w: np.ndarray, bits: int, block: int, symmetric: bool):
+    """Block-wise codes of ``w`` (rows, cols) along its columns, each block's scale (and zero point) the one
+    of ``CLIPS`` that rounds it with the least squared error, not min/max: (codes uint8, scales fp16-valued
+    float32, zeros uint8), each (rows, ...) as ``matmulnbits_tensors`` takes them."""
+    import torch
+
+    from ..compress.quant import quantize_groups
+
+    spec = QuantSpec(bits=bits, group_size=block, symmetric=symmetric)
+    rows, cols = w.shape
+    gid = torch.arange(cols) // spec.group_width(cols)
+    groups = spec.num_groups(cols)
+    codes, scales, zeros = [], [], []
+    for start in range(0, rows, _SEARCH_ROWS):
+        part = torch.from_numpy(np.ascontiguousarray(w[start:start + _SEARCH_ROWS], dtype=np.float32))
+        best = torch.full((part.shape[0], groups), float("inf"))
+        clip = torch.ones(part.shape[0], groups)
+        for c in CLIPS:
+            deq = quantize_groups(part, spec, clip=c)[0]
+            err = torch.zeros(part.shape[0], groups).index_add_(1, gid, (deq - part).square_())
+            better = err < best
+            best = torch.where(better, err, best)
+            clip = torch.where(better, torch.full_like(clip, c), clip)
+        _, q, s, z = quantize_groups(part, spec, clip=clip)
+        codes.append(q.numpy())
+        scales.append(s.float().numpy())
+        zeros.append(z.numpy())
+    return np.concatenate(codes), np.concatenate(scales), np.concatenate(zeros), QuantSpec(bits, block, symmetric)
+
+
+def _type_bits(kind: str) -> int:
+    return 4 if kind == "int4" else 8
+
+
+def tied_tables(model) -> dict[str, str]:
+    """MatMul node -> the initializer it reads through a Transpose (a head tied to the token embedding)."""
+    inits = {i.name for i in model.graph.initializer}
+    producers = {o: n for n in model.graph.node for o in n.output}
+    out = {}
+    for node in model.graph.node:
+        t = producers.get(node.input[1]) if node.op_type == "MatMul" else None
+        if t is not None and t.op_type == "Transpose" and t.input[0] in inits:
+            out[node.name] = t.input[0]
+    return out
+
+
+def quantize_uncoded(model, names: list[str], kind: str, block_size: int, accuracy_level: int) -> dict[str, tuple]:
+    """The MatMuls ``names`` (constant weights, no codes: the head, skipped linears) become MatMulNBits of
+    ``kind`` (int4: asymmetric; int8: symmetric) at ``block_size``, scales searched (``searched_codes``).
+    Returns node name -> (codes, scales, zero points initializer names, spec, K) for sharing with a tied
+    embedding (``quantize_embeddings``)."""
+    from onnx import numpy_helper
+
+    from .onnx_stub import nbits_replacement
+
+    bits = _type_bits(kind)
+    inits = {i.name: i for i in model.graph.initializer}
+    want = set(names)
+    made, nodes, drop = {}, [], set()
+    for node in model.graph.node:
+        if node.name not in want or node.input[1] not in inits:
+            nodes.append(node)
+            continue
+        w_t = numpy_helper.to_array(inits[node.input[1]])  # (K, N)
+        k, n = w_t.shape
+        q, s, z, spec = searched_codes(w_t.T, bits, min(block_size, 1 << (k.bit_length() - 1)) if k < block_size
+                                       else block_size, symmetric=bits == 8)
+        del w_t
+        bits_, bs, b, sc, zp = matmulnbits_tensors(q, s, z, spec)
+        layer = node.name.strip("/").replace("/", ".").removesuffix(".MatMul")
+        new_nodes, tensors = nbits_replacement(node, layer, k, n, bits_, bs, b, sc, zp, accuracy_level)
+        nodes.extend(new_nodes)
+        model.graph.initializer.extend(tensors)
+        drop.add(node.input[1])
+        made[node.name] = (tensors[0].name, tensors[1].name, tensors[2].name if zp is not None else None, spec, k)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    _drop_unused(model, drop)
+    return made
+
+
+def _drop_unused(model, names: set) -> None:
+    used = {i for n in model.graph.node for i in n.input}
+    keep = [i for i in model.graph.initializer if i.name not in names or i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+
+
+def quantize_embeddings(model, kind: str, block_size: int, shared: Mapping[str, tuple] | None = None) -> dict[str, bool]:
+    """The fp32 tables read only by Gather of ``input_ids`` (the token embedding) become ``com.microsoft::GatherBlockQuantized``
+    (uint8 data, ``bits`` 4 or 8, blocks of ``block_size`` along the hidden size, fp16 scales, zero points
+    unless symmetric; int4 asymmetric, int8 symmetric; scales searched by ``searched_codes``), its rows cast
+    back to fp32. ``shared``: table -> a tied head's MatMulNBits tensors (``quantize_uncoded``); a table of
+    the same bits and block, whose width the block divides, is read from those through Reshapes (one copy
+    of the codes for both). Returns table -> whether it reads a tied head's codes."""
+    import torch
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ..compress.quant import pack_codes
+
+    bits = _type_bits(kind)
+    inits = {i.name: i for i in model.graph.initializer}
+    users: dict[str, set] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            users.setdefault(i, set()).add(n.op_type)
+    done: dict[str, tuple] = {}  # table -> (the GatherBlockQuantized inputs: data, scales, zero points; fp32 scales)
+    nodes, drop = [], set()
+    for node in model.graph.node:
+        table = node.input[0] if node.input else ""
+        if node.op_type != "Gather" or table not in inits or users.get(table) != {"Gather"}:
+            nodes.append(node)
+            continue
+        init = inits[table]
+        if init.data_type != TensorProto.FLOAT or len(init.dims) != 2 or node.input[1] != "input_ids":
+            nodes.append(node)
+            continue
+        rows, cols = (int(d) for d in init.dims)
+        if table not in done:
+            tied = (shared or {}).get(table)
+            if tied is not None and tied[3].bits == bits and tied[3].group_size == block_size and cols % block_size == 0:
+                names = []
+                for src in (tied[0], tied[1], tied[2]):
+                    if src is None:
+                        continue
+                    shape = numpy_helper.from_array(np.asarray([rows, -1], dtype=np.int64), f"{src}_rows_shape")
+                    model.graph.initializer.append(shape)
+                    nodes.append(helper.make_node("Reshape", [src, shape.name], [f"{src}_rows"], name=f"{src}_rows"))
+                    names.append(f"{src}_rows")
+                done[table] = (names, True)
+            else:
+                q, s, z, spec = searched_codes(numpy_helper.to_array(init), bits, block_size, symmetric=bits == 8)
+                data = pack_codes(torch.from_numpy(np.ascontiguousarray(q)), 4).numpy() if bits == 4 else q
+                tensors = [numpy_helper.from_array(np.ascontiguousarray(data, dtype=np.uint8), table + "_Q"),
+                           numpy_helper.from_array(s.astype(np.float16), table + "_scales")]
+                if not np.all(z == 2 ** (bits - 1)):
+                    zp = z if bits == 8 else pack_codes(torch.from_numpy(np.ascontiguousarray(z)), 4).numpy()
+                    tensors.append(numpy_helper.from_array(np.ascontiguousarray(zp, dtype=np.uint8), table + "_zp"))
+                model.graph.initializer.extend(tensors)
+                done[table] = ([t.name for t in tensors], False)
+            drop.add(table)
+        (data, scales, *zp), fp32_scales = done[table]
+        out = node.output[0]
+        fp16_out = not fp32_scales
+        nodes.append(helper.make_node("GatherBlockQuantized", [data, node.input[1], scales, *zp],
+                                      [out + "_fp16" if fp16_out else out], name=node.name + "_quantized",
+                                      domain="com.microsoft", gather_axis=0, quantize_axis=1, block_size=block_size,
+                                      bits=bits))
+        if fp16_out:
+            nodes.append(helper.make_node("Cast", [out + "_fp16"], [out], name=node.name + "_to_fp32", to=TensorProto.FLOAT))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    _drop_unused(model, drop)
+    if done and not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return {t: fp32 for t, (_, fp32) in sorted(done.items())}
+
+
+def check_head_options(embedding_type: str, head_type: str, keep_fp32_head: bool) -> None:
+    """--embedding-type and --head-type: known types, and not beside --keep-fp32-head (ConfigError, exit 2)."""
+    from ..errors import ConfigError
+
+    if embedding_type not in EMBEDDING_TYPES:
+        raise ConfigError(f"--embedding-type: unknown {embedding_type!r}; choose from {', '.join(EMBEDDING_TYPES)}")
+    if head_type not in HEAD_TYPES:
+        raise ConfigError(f"--head-type: unknown {head_type!r}; choose from {', '.join(HEAD_TYPES)}")
+    if keep_fp32_head and (embedding_type, head_type) != ("fp16", "int8"):
+        raise ConfigError("--keep-fp32-head keeps the head and the embedding fp32; it cannot go with "
+                          "--embedding-type or --head-type")
 
 
 def ort_quantize_matmuls(model, bits: int, block_size: int, symmetric: bool, accuracy_level: int,
@@ -354,12 +536,14 @@ def _model_file(path) -> Path:
                  complete=lambda out: (Path(out) / EXPORT_MANIFEST).is_file(), read_manifest=read_onnx_manifest,
                  verified_manifest=verified_onnx_manifest, model_file=_model_file, model_files=onnx_model_files,
                  model_facts=onnx_model_facts, tokenizer="beside", packages=("onnx", "onnxruntime"),
-                 types=ONNX_TYPES, tolerances=TOLERANCES, options=("block_size", "accuracy_level", "keep_fp32_head"),
+                 types=ONNX_TYPES, tolerances=TOLERANCES,
+                 options=("block_size", "accuracy_level", "keep_fp32_head", "embedding_type", "head_type"),
                  error=ONNXExportError, report_rows=_report_rows, inspect=inspect_onnx, inspect_rows=onnx_rows,
                  recognizes=is_onnx_folder)
 def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verify: bool = True, *,
                 overwrite: bool = False, probe: str | None = None, n_threads: int | None = None,
-                block_size: int = 32, accuracy_level: int = 4, keep_fp32_head: bool = False) -> dict:
+                block_size: int = 32, accuracy_level: int = 4, keep_fp32_head: bool = False,
+                embedding_type: str = "fp16", head_type: str = "int8") -> dict:
     """Write ``source`` (an slmedge artifact or an HF folder) as an ONNX decoder directory ``out_dir``.
 
     ``otype``: ``auto`` (int4/int8 from the artifact's codes, else fp32), ``fp32``, ``fp16``,
@@ -373,6 +557,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
     key = get_format("onnx").check_type(otype)
     if block_size < 16 or block_size & (block_size - 1):
         raise ONNXExportError(f"block size must be a power of two >= 16, got {block_size}")
+    check_head_options(embedding_type, head_type, keep_fp32_head)
     check_output_dir(out_dir, overwrite, EXPORT_MANIFEST, inputs=[source])  # before any work
     # An artifact's codes are read one linear at a time, when placed (a 3.8B model's unpacked codes
     # alone are 3.6 GB); what is decided before that reads only their outlines.
@@ -432,24 +617,32 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
         # Every linear without codes to keep gets its weight first (the head, skipped linears, all of
         # them for fp32/fp16/int8-dynamic), while the graph is small; the codes go in last.
         place_weights(model, stubs, [n for n in stubs if n not in to_place], src.path, tied)
-        head = []
+        head, emb = [], []
         if key in ("int4", "int8"):
             bits = 4 if key == "int4" else 8
+            tied_to = {} if keep_fp32_head else tied_tables(model)
             if not keep_fp32_head:
                 untie_head(model)
             remaining = [n.name for n in model.graph.node if n.op_type == "MatMul"
                          and n.input[1] in {i.name for i in model.graph.initializer}]
+            made = {}
             if has_codes and not refused:
-                # Only the head and skipped linears are left: 8-bit, so they add little error.
+                # Only the head and skipped linears are left: --head-type (8-bit by default, little error).
                 if not keep_fp32_head:
-                    model = ort_quantize_matmuls(model, 8, block_size, True, accuracy_level)
+                    made = quantize_uncoded(model, remaining, head_type, block_size, accuracy_level)
                     head = [n for n in remaining]
             else:
                 model = ort_quantize_matmuls(model, bits, block_size, True, accuracy_level)
-            if not keep_fp32_head:
+            if not keep_fp32_head and embedding_type == "fp16":
                 emb = embeddings_to_fp16(model)
                 if emb:
                     notes.append(f"token embedding stored in fp16 ({', '.join(emb)})")
+            elif not keep_fp32_head:
+                shared = {t: made[n] for n, t in tied_to.items() if n in made}
+                emb = quantize_embeddings(model, embedding_type, block_size, shared)
+                if emb:
+                    notes.append(f"token embedding stored as {embedding_type} GatherBlockQuantized, block {block_size} "
+                                 f"({', '.join(emb)})" + ("; it reads the tied head's codes" if any(emb.values()) else ""))
             if to_place:
                 from .onnx_stub import find_stubs
 
@@ -482,6 +675,8 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
         kept = sum(1 for r in report_layers.values() if r.get("codes_kept"))
         kind = key if key in ("fp32", "fp16") else ("kept" if has_codes and kept and key in ("int4", "int8")
                                                    and kept == len(report_layers) else "requantized")
+        if kind == "kept" and ((head and head_type == "int4") or (emb and embedding_type == "int4")):
+            kind = "kept-4bit-tables"
         verification = None
         if verify:
             qact = key == "int8-dynamic" or (key in ("int4", "int8") and accuracy_level >= 2)
@@ -499,7 +694,9 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
             "codes_kept": kept,
             "requantized_by_onnxruntime": (len(report_layers) - kept) if has_codes else (ops.get("MatMulNBits", 0)
                                                                                          + ops.get("MatMulInteger", 0)),
-            "head_int8": head,
+            "head_int8": head if head_type == "int8" else [],
+            "head_type": head_type if head else None,
+            "embedding_type": embedding_type if emb else None,
             "accuracy_level": accuracy_level,
             "layers": report_layers,
             "ops": ops,

@@ -341,7 +341,9 @@ def _kind(report: dict) -> str:
     """The ONNX tolerance kind of what ``export_onnx`` wrote (its manifest)."""
     if report["type"] in ("fp32", "fp16"):
         return report["type"]
-    return "kept" if report.get("exact") else "requantized"
+    if not report.get("exact"):
+        return "requantized"
+    return "kept-4bit-tables" if "int4" in (report.get("head_type"), report.get("embedding_type")) else "kept"
 
 
 # --- the export ---------------------------------------------------------------------------------
@@ -353,12 +355,14 @@ def _kind(report: dict) -> str:
                  verified_manifest=verified_genai_manifest, model_file=genai_model_file,
                  model_files=genai_model_files, model_facts=genai_model_facts, tokenizer="beside",
                  packages=("onnx", "onnxruntime", "onnxruntime-genai"), types=TYPES, tolerances=TOLERANCES,
-                 options=("block_size", "accuracy_level", "keep_fp32_head"), error=GenaiExportError,
+                 options=("block_size", "accuracy_level", "keep_fp32_head", "embedding_type", "head_type"),
+                 error=GenaiExportError,
                  report_rows=_report_rows, inspect=inspect_genai, inspect_rows=genai_rows,
                  recognizes=is_genai_folder, magic=MAGIC)
 def export_genai(source, out_dir, otype: str = "auto", exact: bool = False, verify: bool = True, *,
                  overwrite: bool = False, probe: str | None = None, n_threads: int | None = None,
-                 block_size: int = 32, accuracy_level: int = 4, keep_fp32_head: bool = False) -> dict:
+                 block_size: int = 32, accuracy_level: int = 4, keep_fp32_head: bool = False,
+                 embedding_type: str = "fp16", head_type: str = "int8") -> dict:
     """Write ``source`` (an slmedge artifact or an HF folder) as a folder onnxruntime-genai opens:
     the ONNX export of ``source`` (``export_onnx`` with the same type and options: the artifact's
     codes as MatMulNBits), ``genai_config.json``, config and tokenizer files and
@@ -375,7 +379,8 @@ def export_genai(source, out_dir, otype: str = "auto", exact: bool = False, veri
     with atomic_directory(out_dir, overwrite=overwrite, manifest=EXPORT_MANIFEST) as tmp:
         stage = tmp / ".onnx"
         report = export_onnx(source, stage, otype, exact, verify, probe=probe, n_threads=n_threads,
-                             block_size=block_size, accuracy_level=accuracy_level, keep_fp32_head=keep_fp32_head)
+                             block_size=block_size, accuracy_level=accuracy_level, keep_fp32_head=keep_fp32_head,
+                             embedding_type=embedding_type, head_type=head_type)
         for f in stage.iterdir():
             if f.name != EXPORT_MANIFEST:
                 shutil.move(str(f), tmp / f.name)
