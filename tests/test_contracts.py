@@ -337,7 +337,7 @@ def test_compress_options_reach_the_recipe(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from slmedge.cli import app
-    from slmedge.cli import compress as cli_compress
+    from slmedge.compress import api
 
     seen = {}
 
@@ -345,7 +345,7 @@ def test_compress_options_reach_the_recipe(tmp_path, monkeypatch):
         seen["recipe"] = recipe
         raise ConfigError("stop here")
 
-    monkeypatch.setattr(cli_compress, "compress", fake_compress)
+    monkeypatch.setattr(api, "compress", fake_compress)  # the command imports it when it runs
     res = CliRunner().invoke(app, ["compress", "--method", "sparsegpt", "--sparsity", "2:4", "--block-size", "64",
                                    "--no-awq-clip", "--skip", "*mlp*", "--damp", "0.05"])
     assert "stop here" in res.output

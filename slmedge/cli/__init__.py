@@ -20,6 +20,7 @@ try:
     from .data import data_app
     from .evaluate import evaluate_command, lm_eval_command
     from .export import export_command, imatrix_command, inspect_command
+    from .helptext import plain_help
     from .methods import methods_command
     from .run import run_command
     from .study import report_command, study_command
@@ -31,7 +32,12 @@ except KeyboardInterrupt:  # Ctrl-C while torch and friends import: no traceback
 
 class _Group(TyperGroup):
     """The root group: an interrupt anywhere in a command (outside its own error handling too)
-    is one line and exit 130, not click's "Aborted!" and 1."""
+    is one line and exit 130, not click's "Aborted!" and 1. Every command's --help is wrapped at
+    spaces only (cli/helptext.py)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        plain_help(self)
 
     def invoke(self, ctx):
         try:

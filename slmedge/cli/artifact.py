@@ -23,7 +23,7 @@ def materialize_command(
 
     \b
     Examples:
-      slmedge artifact materialize slmedge-out/smollm2-135m-gptq-w4g128 -o hf-folder
+      slmedge artifact materialize out/gptq -o hf-folder
     """
     from ..models.artifact_weights import materialize
 

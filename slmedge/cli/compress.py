@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from ..compress.api import compress
-from ..compress.methods import METHODS
-from ..compress.recipe import DEFAULT_SKIP, Recipe
 from ..data import DEFAULT_CALIBRATION
 from ..models.grids import GRIDS
 from .common import Table, bounded, check_model, check_output_dir, console, errors_to_exit, progress_bar
 from .data import DATA_DIR_HELP
+
+if TYPE_CHECKING:  # the command line's modules import no torch until a command runs (slmedge --help)
+    from ..compress.recipe import Recipe
 
 
 def recipe_from_options(method, bits, group_size, symmetric, sparsity, calibration, nsamples, seqlen, seed, batch_size,
                         skip, include_head, damp, block_size, act_order, true_sequential, awq_grid, awq_clip,
                         awq_max_tokens, awq_search_dtype, grid=None, bpw=None, importance=None,
                         bpw_grids=None) -> Recipe:
+    from ..compress.methods import METHODS
+    from ..compress.recipe import DEFAULT_SKIP, Recipe
+
     info = METHODS.get(method)
     if bits is None and info is not None and info.kind == "quantize" and grid is None and bpw is None:
         bits = 4
@@ -43,6 +46,7 @@ def check_compress(model, recipe: Recipe, output, *, overwrite: bool, revision=N
     (read, not tokenized; Hub datasets are fetched later), the output folder. Returns it."""
     from ..compress.api import check_compress_bounds, default_output
     from ..compress.artifact import MANIFEST
+    from ..compress.methods import METHODS
     from ..data.calibration import read_texts
 
     recipe = recipe.validate()
@@ -82,7 +86,8 @@ def print_summary(outcome, as_json: bool = False) -> None:
     console.print(table)
 
 
-METHOD_HELP = "Method: " + ", ".join(METHODS) + "."
+# The built-in methods by name (tests/test_cli_help.py holds it to the registry, which imports torch).
+METHOD_HELP = "Method: rtn, gptq, awq (quantize); magnitude, wanda, sparsegpt (prune). slmedge methods says what each does."
 GRID_HELP = ("Quantize onto one of llama.cpp's grids instead of the uniform one (--bits/--group-size/--sym): "
              + ", ".join(GRIDS) + ". Its codes are kept exactly in the GGUF; rows its super-blocks do not divide "
              "take llama.cpp's own fallback type.")
@@ -130,16 +135,21 @@ def compress_command(
 
     \b
     Examples:
-      slmedge compress                                   # AWQ 4-bit of the embedded SmolLM2-135M
-      slmedge compress MODEL --method gptq --bits 4 --group-size 64 --nsamples 128 --seqlen 512 -o out/gptq
+      slmedge compress                  # AWQ 4-bit of the embedded SmolLM2-135M
+      slmedge compress MODEL --method gptq --bits 4 --group-size 64 -o out/gptq
       slmedge compress MODEL --method wanda --sparsity 0.5
       slmedge compress MODEL --method sparsegpt --sparsity 2:4 --bits 8
       slmedge compress model.gguf --method rtn --bits 8 --group-size -1 --sym
-      slmedge compress MODEL --method gptq --grid q4_k -o out/gptq-q4k      # llama.cpp's Q4_K, codes kept in GGUF
-      slmedge compress MODEL --method rtn --grid iq4_nl --importance         # importance-weighted rounding
-      slmedge compress MODEL --method awq --bpw 4.8                          # mixed grids to 4.8 bits per weight
-      slmedge compress MODEL --method gptq --bpw 4.9 --bpw-grids q4_k,q5_k,q6_k   # K-quants only
+      # llama.cpp's Q4_K grid, its codes kept in the GGUF:
+      slmedge compress MODEL --method gptq --grid q4_k -o out/gptq-q4k
+      # importance-weighted rounding:
+      slmedge compress MODEL --method rtn --grid iq4_nl --importance
+      # mixed grids to 4.8 bits per weight; K-quants only:
+      slmedge compress MODEL --method awq --bpw 4.8
+      slmedge compress MODEL --method gptq --bpw 4.9 --bpw-grids q4_k,q5_k,q6_k
     """
+    from ..compress.api import compress
+
     with errors_to_exit():
         recipe = recipe_from_options(method, bits, group_size, symmetric, sparsity, calibration, nsamples, seqlen, seed,
                                      batch_size, skip, include_head, damp, block_size, act_order, true_sequential,

@@ -100,7 +100,7 @@ def print_results(res: dict) -> None:
 def evaluate_command(
     source: Optional[str] = typer.Argument(None, help="Artifact, model source, .gguf file or ONNX export (default: smollm2-135m)."),
     metrics: Optional[str] = typer.Option(None, "--metrics", help="Comma list of perplexity,fidelity,tasks,memory,latency (default: all)."),
-    runtime: Optional[str] = typer.Option(None, "--runtime", help="torch, onnxruntime or llama.cpp (default: follows from the file)."),
+    runtime: Optional[str] = typer.Option(None, "--runtime", help="torch, onnxruntime, onnxruntime-genai or llama.cpp (default: follows from the file)."),
     langs: str = typer.Option("en,ar,hi,zh,th,de,es", "--langs", help="NTREX-128 languages for perplexity (and XCOPA tasks)."),
     no_wikitext: bool = typer.Option(False, "--no-wikitext", help="Skip WikiText-2 in perplexity."),
     corpus: Optional[list[str]] = typer.Option(None, "--corpus", help="A plain text file to score (repeatable)."),
@@ -131,7 +131,7 @@ def evaluate_command(
     \b
     Examples:
       slmedge evaluate out/awq --metrics perplexity,fidelity --langs en,th
-      slmedge evaluate model.gguf --metrics perplexity --corpus my.txt --json out.json
+      slmedge evaluate m.gguf --metrics perplexity --corpus my.txt --json r.json
       slmedge evaluate onnx_dir --tasks arc_easy,xcopa_th --limit 200
       slmedge evaluate out/gptq --runtime llama.cpp --metrics latency
       slmedge evaluate model.gguf --target arm64 --metrics perplexity,latency
@@ -247,14 +247,20 @@ def lm_eval_command(ctx: typer.Context):
 
     \b
     Examples:
-      slmedge lm-eval --model slmedge --model_args model=out/awq.gguf --tasks arc_easy --limit 100
-      slmedge lm-eval --model slmedge --model_args model=onnx_dir,threads=2 --tasks hellaswag
+      slmedge lm-eval --model slmedge --model_args model=m.gguf --tasks arc_easy
+      slmedge lm-eval --model slmedge --model_args model=onnx_dir,threads=2 \\
+          --tasks hellaswag --limit 100
     """
     import sys
 
     with errors_to_exit():
-        from .. import lm_eval_model  # noqa: F401 - registers the model class (or says how to install lm_eval)
-        from lm_eval.__main__ import cli_evaluate
+        if not {"-h", "--help"} & set(ctx.args):  # lm-eval's own help needs no model class (nor torch)
+            from .. import lm_eval_model  # noqa: F401 - registers the model class (or says how to install lm_eval)
+        try:
+            from lm_eval.__main__ import cli_evaluate
+        except ImportError:
+            from .. import lm_eval_model  # noqa: F401 - raises the error that says how to install lm_eval
+            raise
 
         sys.argv = ["lm_eval", *ctx.args]
         cli_evaluate()

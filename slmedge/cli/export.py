@@ -54,7 +54,7 @@ def export_command(
     fmt: str = typer.Option("gguf", "--format", "-f", help="gguf (llama.cpp), onnx (onnxruntime), onnxruntime-genai (an ONNX folder with genai_config.json) "
                              "or compressed-tensors (transformers, vLLM: an artifact's codes, pack-quantized)."),
     qtype: str = typer.Option("auto", "--type", "-t", help="GGUF: auto, f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, iq4_xs, q3_k, q4_k, q5_k, q6_k, q4_k_s, q4_k_m, q5_k_m, q3_k_m, q2_k (an artifact's codes are kept where the type's grid holds them: q8_0, q4_0, q4_1 for the uniform grid; the type of its own llama.cpp grid for --grid; the rest by llama.cpp's quantizer). ONNX: auto, fp32, fp16, int4, int8, int8-dynamic. auto: the type that keeps the artifact's codes."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="GGUF file or ONNX directory (default slmedge-out/<source>-<type>)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="A GGUF file; for the other formats a folder (default slmedge-out/<source>-<type>)."),
     exact: bool = typer.Option(False, "--exact", help="Fail instead of re-quantizing weights whose codes the type cannot hold."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Run the file in its runtime on a probe and compare with torch."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output."),
@@ -69,17 +69,19 @@ def export_command(
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision."),
     as_json: bool = typer.Option(False, "--json", help="Print the full report (per-tensor types) as JSON."),
 ):
-    """Export a model or artifact to GGUF (llama.cpp) or ONNX (onnxruntime), checked against torch.
+    """Export a model or artifact to GGUF, ONNX, onnxruntime-genai or compressed-tensors, checked against torch.
 
     \b
     Examples:
-      slmedge export out/gptq --format gguf --type q4_0 -o model.gguf     # GPTQ codes as Q4_0 blocks
-      slmedge export out/awq --format onnx --type int4 -o onnx_dir/      # AWQ codes as MatMulNBits
+      # GPTQ codes as Q4_0 blocks; AWQ codes as MatMulNBits:
+      slmedge export out/gptq --format gguf --type q4_0 -o model.gguf
+      slmedge export out/awq --format onnx --type int4 -o onnx_dir/
       slmedge export smollm2-135m --format gguf --type q4_k_m -o base-q4km.gguf
-      slmedge export smollm2-135m --format gguf --type iq4_xs --imatrix smollm2.imatrix.gguf -o iq4xs.gguf
+      slmedge export MODEL --format gguf --type iq4_xs --imatrix m.imatrix.gguf
       slmedge export out/gptq --format gguf --type q4_1 --exact -o m.gguf
-      slmedge export out/gptq --format compressed-tensors -o ct_dir/       # for transformers / vLLM
-      slmedge export out/awq --format onnxruntime-genai -o genai_dir/    # for onnxruntime-genai apps
+      # for transformers and vLLM; for onnxruntime-genai apps:
+      slmedge export out/gptq --format compressed-tensors -o ct_dir/
+      slmedge export out/awq --format onnxruntime-genai -o genai_dir/
     """
     from ..export.api import export
     from ..export.formats import get_format
@@ -154,7 +156,7 @@ def inspect_command(
     as_json: bool = typer.Option(False, "--json", help="Print everything as JSON."),
     tensors: bool = typer.Option(False, "--tensors", help="With a manifest: list every tensor's type and whether its codes were kept."),
 ):
-    """Print what is inside a GGUF file, an ONNX export or an artifact.
+    """Print what is inside a GGUF file, an ONNX, onnxruntime-genai or compressed-tensors export, or an artifact.
 
     \b
     Examples:
@@ -233,9 +235,9 @@ def imatrix_command(
 
     \b
     Examples:
-      slmedge imatrix                                     # SmolLM2-135M on C4, 128 x 512 tokens
-      slmedge imatrix MODEL --calibration multilingual --nsamples 64 -o model.imatrix.gguf
-      llama-quantize --imatrix model.imatrix.gguf model-f16.gguf model-iq4_xs.gguf IQ4_XS
+      slmedge imatrix                   # SmolLM2-135M on C4, 128 x 512 tokens
+      slmedge imatrix MODEL --calibration multilingual -o model.imatrix.gguf
+      llama-quantize --imatrix model.imatrix.gguf model-f16.gguf out.gguf IQ4_XS
     """
     from ..export.imatrix import check_output, default_output, imatrix_recipe, make_imatrix
 

@@ -1,7 +1,5 @@
 """slmedge methods: list the compression methods."""
 
-
-from ..compress.methods import METHODS
 from .common import Table, console
 
 
@@ -12,6 +10,8 @@ def methods_command():
     Example:
       slmedge methods
     """
+    from ..compress.methods import METHODS
+
     table = Table("method", "kind", "what it does")
     for info in METHODS.values():
         table.add_row(info.name, info.kind, info.summary)

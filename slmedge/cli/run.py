@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from ..compress.api import compress, default_output
-from ..compress.artifact import Artifact
-from ..compress.recipe import Recipe
 from ..errors import ArtifactError, ConfigError, SlmedgeError
 from ..models.artifact_format import is_artifact, manifest_path
 from .common import Table, bounded, check_output_file, console, errors_to_exit, progress_bar, supervised
 from .data import DATA_DIR_HELP
 from .evaluate import flips_text
+
+if TYPE_CHECKING:  # torch: imported when the command runs, not for slmedge --help
+    from ..compress.recipe import Recipe
 
 MAIN_TASKS = ("arc_easy", "piqa", "winogrande", "hellaswag", "xcopa_th", "xcopa_zh")
 
@@ -49,6 +49,8 @@ def run_command(
       slmedge run
       slmedge run --method gptq --limit 100 --ppl-windows 4
     """
+    from ..compress.api import compress, default_output
+    from ..compress.recipe import Recipe
     from ..evaluate.api import EvalSettings, Evaluation
     from ..evaluate.store import ResultsStore
     from ..export.formats import get_format
@@ -169,6 +171,9 @@ def _is_artifact(path: Path) -> bool:
 def _reusable(path: Path, recipe: Recipe, data_dir=None):
     """The artifact at ``path`` when it was compressed with ``recipe`` on the calibration windows the
     recipe gives today (the same token ids: a changed data file, or windows now led by BOS, recompress)."""
+    from ..compress.artifact import Artifact
+    from ..compress.recipe import Recipe
+
     if not _is_artifact(path):
         return None
     try:
