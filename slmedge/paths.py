@@ -19,3 +19,74 @@ def cache_dir() -> Path:
     path = Path(os.environ.get(CACHE_ENV) or user_cache_dir("slmedge"))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+# --- local paths in files meant for others ------------------------------------------------------
+# What slmedge writes for others (an artifact's manifest, an export's, an importance matrix, a report)
+# names a local file by a path relative to the folder of the file naming it, or by its name, with a
+# content hash beside it where it must be found or checked again: never by an absolute path, which
+# would carry the user's home, user name and folder layout to whoever gets the file.
+
+
+def relative_path(target, anchor) -> str | None:
+    """``target`` (a local file or folder) as a path relative to the folder ``anchor`` (where the file
+    naming it is written), ``..`` included, in ``/`` form; None where such a path would spell out the
+    absolute one: the two share no folder below the filesystem root, or the path would descend into
+    the user's home folder from above it (``../../home/NAME/...``)."""
+    t = Path(os.path.abspath(Path(target).expanduser()))
+    a = Path(os.path.abspath(Path(anchor).expanduser()))
+    try:
+        common = Path(os.path.commonpath([t, a]))
+    except ValueError:  # different drives
+        return None
+    home = Path(os.path.abspath(Path.home()))
+    if common == Path(common.anchor) or (common in home.parents and (t == home or home in t.parents)):
+        return None
+    return Path(os.path.relpath(t, a)).as_posix()
+
+
+def resolve_recorded(recorded: str | None, anchor) -> Path | None:
+    """The local path a file's record names (``relative_path``'s form, relative to the folder ``anchor``
+    holding that file; an absolute one as earlier versions wrote it), if it is there; else None."""
+    if not recorded:
+        return None
+    path = Path(recorded).expanduser()
+    path = path if path.is_absolute() else Path(anchor) / path
+    return path if path.exists() else None
+
+
+def given_path(path) -> str:
+    """How a file the user named is recorded for others: the path as given when it is relative and stays
+    below the working folder (``data/corpus.txt``), else its name."""
+    p = Path(str(path))
+    if not p.is_absolute() and not str(path).startswith("~") and ".." not in p.parts:
+        return p.as_posix()
+    return p.name
+
+
+def shareable_source(identity: dict | None, anchor) -> dict | None:
+    """A model source's identity (``models.source.load``'s: kind, path, weights sha256...) as a file meant
+    for others records it, written in the folder ``anchor``: a local ``path`` becomes relative to
+    ``anchor`` (left out where that would spell the absolute path), and the folder's or file's ``name``
+    is kept beside the content hashes, so a reader finds it again (``resolve_recorded``) or the user
+    names it."""
+    if not isinstance(identity, dict) or not identity.get("path"):
+        return identity
+    where = os.path.normpath(os.path.abspath(Path(identity["path"]).expanduser()))
+    out = {k: v for k, v in identity.items() if k != "path"}
+    out.setdefault("name", Path(where).name)
+    rel = relative_path(where, anchor)
+    if rel is not None:
+        out["path"] = rel
+    nested = out.get("base_model")
+    if isinstance(nested, dict) and nested.get("path"):  # an artifact compressed again: its own base, re-anchored
+        out["base_model"] = shareable_source({**nested, "path": str(Path(where) / nested["path"])}, anchor)
+    return out
+
+
+def recorded_path(target, anchor) -> str:
+    """How a file meant for others, in the folder ``anchor``, records the local file or folder it was made
+    from (an export's ``source``): ``relative_path``, else its name (found again by ``resolve_recorded``
+    only where it is, and checked against the hash recorded beside it)."""
+    rel = relative_path(target, anchor)
+    return rel if rel is not None else Path(os.path.normpath(os.path.abspath(target))).name

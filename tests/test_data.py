@@ -6,6 +6,7 @@ import torch
 
 from slmedge.data.calibration import adds_bos, load_calibration, read_sources, token_stream
 from slmedge.errors import DataError
+from slmedge.fsutil import sha256_file
 from slmedge.evaluate.corpora import load_corpus
 from slmedge.evaluate.perplexity import perplexity
 from tiny import bos_led_nll, bos_tokenizer, tiny_model, tiny_tokenizer
@@ -98,14 +99,16 @@ def test_a_mix_and_the_languages_take_equal_turns(tok, tmp_path):
 
     own = tmp_path / "own+notes.txt"  # a file whose name has a + is a file, not a mix
     own.write_text("\n".join(f"line {i} of my own calibration text, about sensors and phones" for i in range(200)))
-    assert load_calibration(str(own), tok, 2, 16).identity["files"] == {str(own.resolve()): load_calibration(
-        str(own), tok, 1, 16).identity["files"][str(own.resolve())]}
+    # recorded for others by its name (an absolute path given), with its sha256: never the local path
+    ident = load_calibration(str(own), tok, 2, 16).identity
+    assert ident["files"] == {own.name: sha256_file(own)} and ident["spec"] == own.name
     mix = load_calibration(f"c4+multilingual:de,zh+{own}", tok, 7, 16, seed=1)
     (c4,), (de2, zh), (mine,) = ([token_stream(tok, t) for t in g] for g in read_sources(f"c4+multilingual:de,zh+{own}")[0])
     rows = mix.tokens.tolist()
     assert [_within(r, s) for r, s in zip(rows, [c4, de2, mine, c4, zh, mine, c4])] == [True] * 7
     assert set(mix.identity["files"]) == {"calibration/c4_en.jsonl", "calibration/multilingual/de.txt",
-                                          "calibration/multilingual/zh.txt", str(own.resolve())}
+                                          "calibration/multilingual/zh.txt", own.name}
+    assert mix.identity["spec"] == f"c4+multilingual:de,zh+{own.name}"
     assert not torch.equal(mix.tokens, load_calibration(f"multilingual:de,zh+c4+{own}", tok, 7, 16, seed=1).tokens)
 
 

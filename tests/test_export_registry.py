@@ -102,10 +102,16 @@ def test_both_manifests_are_read_through_the_one_reader(exports, tiny_models, tm
     g = get_format("gguf").read_manifest(gguf_path)
     o = get_format("onnx").read_manifest(onnx_dir)
     assert get_format("onnx").read_manifest(onnx_dir / "model.onnx") == o  # the folder or its model file
-    shared = ("format", "source", "source_kind", "source_manifest_sha256")
-    assert {k: g[k] for k in shared} == {"format": "slmedge-gguf-export", "source": str(tiny_models("llama")),
-                                         "source_kind": "hf_dir", "source_manifest_sha256": None}
+    shared = ("format", "source_kind", "source_manifest_sha256")
+    assert {k: g[k] for k in shared} == {"format": "slmedge-gguf-export", "source_kind": "hf_dir",
+                                         "source_manifest_sha256": None}
     assert {k: o[k] for k in shared} == {**{k: g[k] for k in shared}, "format": "slmedge-onnx-export"}
+    # the source, relative to the folder holding each manifest (no absolute local path for others)
+    from slmedge.paths import resolve_recorded
+
+    assert not Path(g["source"]).is_absolute() and not Path(o["source"]).is_absolute()
+    assert resolve_recorded(g["source"], gguf_path.parent).resolve() == tiny_models("llama").resolve()
+    assert resolve_recorded(o["source"], onnx_dir).resolve() == tiny_models("llama").resolve()
     assert g["qtype"] == "f32" and o["type"] == "fp32" and "files" in o
     # inspect shows what the reader reads (less the ONNX file list), and both exports are complete.
     assert inspect_path(gguf_path)["manifest"] == g

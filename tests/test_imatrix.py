@@ -303,3 +303,151 @@ def test_a_full_disk_while_writing_the_matrix_is_one_line(tiny_models, calib_fil
               "--seqlen", SEQLEN)
     one_line_error(res, "no space left", "m.imatrix.gguf")
     assert res.exit_code == 1 and not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# --- every file checked on read (issue 59): sealed when slmedge writes it, its values and model otherwise ----
+
+
+def rewritten(src, dst, change=None, datasets=("/data/wiki.train.raw",)):
+    """slmedge's matrix at ``src`` written as ``llama-imatrix`` writes one (the same keys and entries, no
+    slmedge identity, no seal) at ``dst``; ``change(tensor name, values) -> values`` edits entries."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), arch="imatrix")
+    writer.add_type("imatrix")
+    writer.add_array("imatrix.datasets", list(datasets))
+    writer.add_uint32("imatrix.chunk_count", NSAMPLES)
+    writer.add_uint32("imatrix.chunk_size", SEQLEN)
+    for t in sorted(reader.tensors, key=lambda t: t.name):
+        values = np.array(t.data, dtype=np.float32)
+        writer.add_tensor(t.name, change(t.name, values) if change else values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def q4(folder, out, imx):
+    return cli("export", folder, "--format", "gguf", "--type", "q4_0", "-o", out, "--imatrix", imx, "--json")
+
+
+@pytest.fixture
+def matrix(tiny_models, calib_file, tmp_path):
+    return make(tiny_models("llama"), tmp_path / "m.imatrix.gguf", calib_file)
+
+
+def test_a_matrix_made_for_another_model_of_the_same_shapes_is_refused(matrix, tiny_models, tmp_path):
+    from tiny import save_tiny
+
+    other = save_tiny("llama", tmp_path / "other", seed=1)  # the same shapes, other weights
+    out = tmp_path / "o.gguf"
+    res = q4(other, out, matrix)
+    one_line_error(res, "m.imatrix.gguf", "made for another model")
+    assert res.exit_code == 1 and not out.exists()
+    res = q4(tiny_models("llama"), out, matrix)  # its own model
+    assert res.exit_code == 0, res.output
+
+
+def test_slmedges_matrix_is_sealed_a_flipped_byte_or_a_cut_is_refused(matrix, tiny_models, tmp_path):
+    import gguf
+
+    from slmedge.export.imatrix import KEY, read_imatrix
+
+    field = gguf.GGUFReader(str(matrix)).fields[KEY]
+    assert json.loads(bytes(field.parts[field.data[0]]))["manifest_sha256"]  # the seal is written
+    data = matrix.read_bytes()
+    out = tmp_path / "o.gguf"
+    for name, broken in (("flipped", data[:-7] + bytes([data[-7] ^ 0x40]) + data[-6:]),
+                         ("cut", data[: len(data) * 2 // 3])):
+        bad = tmp_path / f"{name}.imatrix.gguf"
+        bad.write_bytes(broken)
+        res = q4(tiny_models("llama"), out, bad)
+        one_line_error(res, bad.name, "changed since slmedge wrote it")
+        assert res.exit_code == 1 and not out.exists()
+        assert "reshape" not in res.output and ".dat" not in res.output
+    # the identity itself edited (the calibration claimed other): its seal no longer holds
+    text = bytes(field.parts[field.data[0]])
+    edited = tmp_path / "edited.imatrix.gguf"
+    edited.write_bytes(data.replace(text, text.replace(b'"seed":0', b'"seed":7'), 1))
+    assert edited.read_bytes() != data
+    with pytest.raises(Exception, match="edited.imatrix.gguf.*(damaged or unsealed|changed since)"):
+        read_imatrix(edited)
+
+
+def test_llamacpps_own_matrix_is_read_and_its_values_checked(matrix, tiny_models, tmp_path):
+    """A file without slmedge's identity (llama-imatrix's) is used; a NaN, a negative sum, a fractional
+    count, sums that are no rows of their counts, a truncation: each one error line, exit 1, before work."""
+    from slmedge.export.gguf import read_gguf_manifest
+
+    folder = tiny_models("llama")
+    theirs = rewritten(matrix, tmp_path / "theirs.imatrix.gguf")
+    out = tmp_path / "o.gguf"
+    res = q4(folder, out, theirs)
+    assert res.exit_code == 0, res.output
+    assert read_gguf_manifest(out)["imatrix"]["datasets"] == ["wiki.train.raw"]  # no local path for others
+
+    def entry(suffix, edit):
+        return lambda name, v: edit(v) if name == "blk.0.attn_q.weight" + suffix else v
+
+    def nan(v):
+        v = v.copy()
+        v.flat[3] = np.nan
+        return v
+
+    def five(v):  # five counts (experts) for 64 sums: no whole rows
+        return np.repeat(v.reshape(-1), 5)
+
+    cases = {"nan": (entry(".in_sum2", nan), "NaN"),
+             "negative": (entry(".in_sum2", lambda v: -v), "negative"),
+             "fraction": (entry(".counts", lambda v: v + 0.5), "whole number"),
+             "rows": (entry(".counts", five), "64 sums of squares for 5 counts")}
+    for name, (change, words) in cases.items():
+        bad = rewritten(matrix, tmp_path / f"{name}.imatrix.gguf", change)
+        res = q4(folder, tmp_path / "x.gguf", bad)
+        one_line_error(res, bad.name, "blk.0.attn_q.weight", words)
+        assert res.exit_code == 1 and not (tmp_path / "x.gguf").exists(), name
+    cut = tmp_path / "cut.imatrix.gguf"
+    cut.write_bytes(theirs.read_bytes()[:-100])
+    res = q4(folder, tmp_path / "x.gguf", cut)
+    one_line_error(res, "cut.imatrix.gguf", "damaged or truncated")
+    assert res.exit_code == 1 and "reshape" not in res.output and ".dat" not in res.output
+
+
+def test_counts_that_do_not_match_the_windows_are_refused(tiny_models, tmp_path):
+    """slmedge's own file (sealed as written): every count is its windows' tokens, chunk_count x chunk_size."""
+    import torch as t
+
+    from slmedge.export.imatrix import read_imatrix, write_imatrix
+
+    class Stat:
+        sum2, count = t.ones(64), NSAMPLES * SEQLEN - 1
+
+    path = write_imatrix(tmp_path / "w.imatrix.gguf", {"q": Stat()}, {"q": "blk.0.attn_q.weight"}, chunk_size=SEQLEN,
+                         chunk_count=NSAMPLES, datasets=["c4"], identity={"format": "slmedge-imatrix"})
+    with pytest.raises(Exception, match=rf"w.imatrix.gguf: blk.0.attn_q.weight.counts says {NSAMPLES * SEQLEN - 1} "
+                                        rf"tokens, but the file records {NSAMPLES * SEQLEN}"):
+        read_imatrix(path)
+
+
+def test_a_folder_or_a_missing_file_is_said_as_such(tiny_models, tmp_path):
+    folder = tiny_models("llama")
+    (tmp_path / "dir.gguf").mkdir()
+    res = q4(folder, tmp_path / "o.gguf", tmp_path / "dir.gguf")
+    one_line_error(res, "dir.gguf", "is a folder")
+    assert res.exit_code == 1 and "does not exist" not in res.output
+    res = q4(folder, tmp_path / "o.gguf", tmp_path / "none.gguf")
+    one_line_error(res, "none.gguf", "does not exist")
+    assert res.exit_code == 1
+
+
+def test_more_windows_than_the_text_holds_are_refused(tiny_models, tmp_path):
+    """llama-imatrix stops where its text ends; slmedge refuses windows that would repeat it."""
+    short = tmp_path / "short.txt"
+    short.write_text("The quick brown fox jumps over the lazy dog. " * 30, encoding="utf-8")
+    out = tmp_path / "m.imatrix.gguf"
+    res = cli("imatrix", tiny_models("llama"), "-o", out, "--calibration", short, "--nsamples", 5000, "--seqlen", SEQLEN)
+    one_line_error(res, "--nsamples 5000", "short.txt", "--nsamples")
+    assert res.exit_code == 2 and not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

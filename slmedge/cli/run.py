@@ -184,7 +184,9 @@ def _reusable(path: Path, recipe: Recipe, data_dir=None):
         saved = Recipe.from_dict(art.manifest.get("recipe") or {}).to_dict()
     except (ConfigError, TypeError, ValueError):
         return None
-    if saved != recipe.to_dict():
+    from ..data.calibration import shared_spec
+
+    if saved != {**recipe.to_dict(), "calibration": shared_spec(recipe.calibration)}:  # as the artifact records it
         return None
     calibration = art.manifest.get("calibration")
     if calibration is None:  # a method without calibration: the recipe is all it was made from

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from ..data.calibration import load_calibration
+from ..data.calibration import load_calibration, shared_spec
 from ..errors import ConfigError
 from ..fsutil import check_output_dir, output_lock
 from ..models.source import SOURCE_DTYPE, LoadedModel, load, resolve
+from ..paths import shareable_source
 from .artifact import MANIFEST, Artifact, CompactWeights, source_dtypes, write_artifact
 from .engine import CompressionResult, compress_model, is_skipped, resolve_device
 from .methods import get_method
@@ -245,8 +246,9 @@ def _compress(model, recipe: Recipe, output, data_dir, dev, overwrite: bool, tru
     result.timings["load_s"] = load_s
     summary = summarize(loaded.model, result, recipe)
     manifest = {
-        "recipe": recipe.to_dict(),
-        "base_model": loaded.identity,
+        "recipe": {**recipe.to_dict(), "calibration": shared_spec(recipe.calibration)},  # no local path for others
+        # named for others: relative to the artifact (or by name), with its weights' sha256 (paths.shareable_source)
+        "base_model": shareable_source(loaded.identity, output) if output is not None else loaded.identity,
         "architecture": loaded.arch.model_type,
         "calibration": calib_identity,
         "device": str(dev),

@@ -34,6 +34,7 @@ import torch
 
 from ..errors import DataError, RuntimeNotInstalledError, UnknownDataError, brief
 from ..fsutil import iter_jsonl, sha256_file
+from ..paths import given_path
 from .files import data_files, file_sha256
 
 
@@ -59,6 +60,18 @@ def spec_parts(spec: str) -> list[str]:
     if any(not part for part in parts):
         raise UnknownDataError(f"calibration data '{spec}' has an empty part: {SPEC_CHOICES}")
     return parts
+
+
+def shared_spec(spec: str) -> str:
+    """A calibration spec as files meant for others record it (an artifact's recipe and calibration, an
+    importance matrix): each part naming a user's file as typed when that path is relative, else by its
+    name (``paths.given_path``); names (``c4``, ``multilingual:...``) and ``hf:`` datasets as they are.
+    The file's sha256 is recorded beside it (``read_sources``)."""
+    def shared(part: str) -> str:
+        name = part.partition(":")[0]
+        return part if part.startswith("hf:") or name in ("c4", "multilingual") else given_path(part)
+
+    return "+".join(shared(p) for p in spec_parts(spec))
 
 
 def calibration_sources(spec: str, data: str | Path | None = None) -> tuple[str, object]:
@@ -104,7 +117,9 @@ def read_sources(spec: str, data: str | Path | None = None, text_field: str = "t
             origin.setdefault("datasets", []).append(hub)
         elif kind == "file":
             groups.append([_file_texts(where, text_field)])
-            origin.setdefault("files", {})[str(where.resolve())] = sha256_file(where)
+            files = origin.setdefault("files", {})
+            key = given_path(part)  # as typed when relative, else the name: no absolute path for others
+            files[key if key not in files else f"{key} ({len(files) + 1})"] = sha256_file(where)
         else:
             files = data_files(data)
             group = []
@@ -210,7 +225,7 @@ def load_calibration(
         rows.append(lead + ids[start : start + text_len])
     tokens = torch.tensor(rows, dtype=torch.long)
     identity = {
-        "spec": spec,
+        "spec": shared_spec(spec),
         **origin,
         "nsamples": nsamples,
         "seqlen": seqlen,

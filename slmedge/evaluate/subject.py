@@ -22,7 +22,7 @@ from ..fsutil import memory_available, output_lock, sha256_file
 from ..models.artifact_format import is_artifact, manifest_path
 from ..models.remote_code import refuse_code
 from ..models.source import load, resolve
-from ..paths import cache_dir
+from ..paths import cache_dir, resolve_recorded
 from ..runtimes import Runtime, TorchRuntime
 from ..runtimes.memprobe import open_file_runtime
 from ..runtimes.registry import RUNTIMES, check_runtime_name, get_runtime, source_runtime
@@ -60,14 +60,18 @@ def _sha256_files(paths) -> str:
     return h.hexdigest()
 
 
-def base_spec_from_identity(base: dict | None) -> str | None:
+def base_spec_from_identity(base: dict | None, anchor=None) -> str | None:
+    """The model a recorded identity names: an embedded model's name, a Hub id, or a local folder or file,
+    recorded relative to ``anchor`` (the folder holding the record; ``paths.shareable_source``) or, by
+    earlier versions, absolute; None where it is not there (the user names the reference then)."""
     if not base:
         return None
     kind = base.get("kind")
     if kind == "embedded":
         return base.get("name")
     if kind in ("hf_dir", "gguf", "artifact"):
-        return base.get("path")
+        found = resolve_recorded(base.get("path"), anchor if anchor is not None else Path.cwd())
+        return str(found) if found is not None else None
     if kind == "hub":
         return base.get("id")
     return None
@@ -88,17 +92,18 @@ def _artifact_base(folder: Path, recorded: str | None = None) -> str | None:
     if recorded is not None and digest != recorded:
         return None
     check_manifest_seal(folder, manifest)
-    return base_spec_from_identity(manifest.get("base_model"))
+    return base_spec_from_identity(manifest.get("base_model"), folder)
 
 
-def _export_base(manifest: dict | None) -> str | None:
-    """The base model of an export: its source artifact's base, or the source folder itself."""
+def _export_base(manifest: dict | None, anchor: Path) -> str | None:
+    """The base model of an export: its source artifact's base, or the source folder itself (``source``,
+    recorded relative to ``anchor``, the folder holding the export's manifest)."""
     if not manifest:
         return None
-    src = manifest.get("source")
-    if src and is_artifact(src):
-        return _artifact_base(Path(src), manifest.get("source_manifest_sha256"))
-    return src if src and Path(src).exists() else None
+    src = resolve_recorded(manifest.get("source"), anchor)
+    if src is not None and is_artifact(src):
+        return _artifact_base(src, manifest.get("source_manifest_sha256"))
+    return str(src) if src is not None else None
 
 
 def _cached_export(folder: Path, fmt: str) -> Path:
@@ -212,7 +217,8 @@ def _file_subject(spec_s: str, path: Path, fmt: str, rt: str, runs_files: bool, 
             params = export_format.model_facts(model_file).get("params")
         except Exception:  # noqa: BLE001 - the size is reported without it
             params = None
-    return Subject(spec_s, run, encoder, ident, file=model_file, params=params, base_spec=_export_base(manifest),
+    anchor = path.parent if path.is_file() else path  # the folder holding the manifest: a GGUF's, an export folder
+    return Subject(spec_s, run, encoder, ident, file=model_file, params=params, base_spec=_export_base(manifest, anchor),
                    notes=[note] if note else [])
 
 

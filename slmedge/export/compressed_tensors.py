@@ -58,6 +58,7 @@ from pathlib import Path
 
 from ..errors import RuntimeNotInstalledError
 from ..fsutil import atomic_directory, check_output_dir, sha256_file
+from ..paths import recorded_path
 from ..models.artifact_format import QUANT_FILE, WEIGHTS_FILE, is_compact, safetensors_header
 from .errors import ExportError, ExportVerificationError
 from .formats import get_format, register_format
@@ -703,7 +704,7 @@ def export_compressed_tensors(source, out_dir, ctype: str = "auto", exact: bool 
                                       ("sparse", sparsity is not None)) if present]
         manifest = write_export_manifest(tmp, {
             "format": MANIFEST_FORMAT,
-            "source": str(src.path),
+            "source": recorded_path(src.path, out_dir),  # relative to the folder: no absolute local path
             "source_kind": "artifact",
             "source_manifest_sha256": src.artifact.manifest_sha256,
             "model_type": src.model_type,
@@ -720,5 +721,6 @@ def export_compressed_tensors(source, out_dir, ctype: str = "auto", exact: bool 
         }, started)
     manifest = dict(manifest)
     manifest["path"] = str(out_dir)
+    manifest["source"] = str(src.path)  # the report: where this run read it
     manifest["bytes"] = sum(f["bytes"] for n, f in manifest["files"].items() if n.endswith(".safetensors"))
     return manifest

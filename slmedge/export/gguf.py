@@ -29,6 +29,7 @@ from ..compress.recipe import Recipe
 from ..models.grids import Grid
 from ..errors import OutputExistsError, UnsupportedArchitectureError
 from ..fsutil import disk_full, no_space, temp_name
+from ..paths import recorded_path
 from ..models.architectures import ARCHITECTURES, Architecture, GGUFLayout
 from ..models.gguf_seal import check_gguf, input_gguf_manifest, manifest_text, placeholder_manifest, seal_gguf
 from .errors import ExportError, GGUFExportError, GGUFVerificationError
@@ -302,8 +303,11 @@ def _importance_for(values: dict, meta: dict, path, requant: list[str], report_t
         raise ConfigError(f"--imatrix: llama.cpp's quantizer only gets {', '.join(sorted(requant))} in this {qtype} "
                           "export (the blocks keep their codes), and the importance matrix has no entry for them "
                           "(llama-imatrix records the output only with --process-output): nothing to weight")
+    from ..paths import given_path
+
     info = {"file": Path(path).name, "sha256": sha256_file(path), "entries_used": len(used),
-            "chunk_count": meta["chunk_count"], "chunk_size": meta["chunk_size"], "datasets": meta["datasets"]}
+            "chunk_count": meta["chunk_count"], "chunk_size": meta["chunk_size"],
+            "datasets": [given_path(d) for d in meta["datasets"]]}  # llama-imatrix records them as typed
     return used, info
 
 
@@ -356,6 +360,10 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         importance, importance_meta = read_imatrix(imatrix)
     out.parent.mkdir(parents=True, exist_ok=True)
     src = _open_source(source)
+    if importance is not None:  # made for this model: the weights sha256 slmedge's file records
+        from .imatrix import check_model
+
+        check_model(imatrix, importance_meta, src.path)
     recipe = src.artifact.manifest.get("recipe") if src.artifact is not None else None
     key = _auto_qtype(src.layers, (recipe or {}).get("grid")) if key == "auto" else key
     target = key if isinstance(key, QType) else QTYPES[key]
@@ -464,7 +472,7 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
                      f"({imatrix_info['entries_used']} of the {len(requant)} tensors it quantizes)")
     manifest = {
         "format": "slmedge-gguf-export",
-        "source": str(src.path),
+        "source": recorded_path(src.path, out.parent),  # relative to the file (paths.recorded_path): no local path
         "source_kind": "artifact" if src.artifact is not None else "hf_dir",
         "source_manifest_sha256": src.artifact.manifest_sha256 if src.artifact is not None else None,
         "recipe": Recipe.from_dict(recipe).applied() if recipe else None,  # the artifact keeps the whole recipe

@@ -72,7 +72,11 @@ def _base_gguf(src: ExportSource) -> Path | None:
         return None
     candidates = []
     if base.get("kind") == "gguf" and base.get("path"):
-        candidates.append(Path(base["path"]))
+        from ..paths import resolve_recorded
+
+        found = resolve_recorded(base["path"], src.path)  # relative to the artifact (earlier versions: absolute)
+        if found is not None:
+            candidates.append(found)
     from ..models.source import EMBEDDED, embedded_gguf_path
 
     names = [base["name"]] if base.get("kind") == "embedded" and base.get("name") in EMBEDDED else \

@@ -37,6 +37,7 @@ import numpy as np
 from ..compress.quant import QuantSpec, pack_codes
 from ..errors import UnsupportedArchitectureError
 from ..fsutil import atomic_directory, check_output_dir, sealed, sha256_file, write_json_atomic
+from ..paths import recorded_path
 from ..procs import native
 from .errors import ONNXExportError, ONNXVerificationError  # noqa: F401 - re-exported
 from .formats import get_format, register_format
@@ -685,7 +686,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
         files = sorted(p for p in tmp.iterdir() if p.is_file())
         manifest = {
             "format": "slmedge-onnx-export",
-            "source": str(src.path),
+            "source": recorded_path(src.path, out_dir),  # relative to the folder: no absolute local path
             "source_kind": "artifact" if src.artifact is not None else "hf_dir",
             "source_manifest_sha256": src.artifact.manifest_sha256 if src.artifact is not None else None,
             "model_type": src.model_type,
@@ -709,6 +710,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
         write_json_atomic(tmp / EXPORT_MANIFEST, manifest)
     manifest = dict(manifest)
     manifest["path"] = str(out_dir)
+    manifest["source"] = str(src.path)  # the report: where this run read it (onnxruntime-genai's export reads it too)
     manifest["bytes"] = sum(f["bytes"] for n, f in manifest["files"].items() if n.startswith("model.onnx"))
     return manifest
 

@@ -37,6 +37,7 @@ import numpy as np
 
 from ..errors import ArtifactError
 from ..fsutil import atomic_directory, check_output_dir, sealed, sha256_file, write_json_atomic, write_text_atomic
+from ..paths import recorded_path
 from ..backends.genai import GENAI_CONFIG, is_genai_folder
 from .errors import ExportError, ExportVerificationError
 from .formats import get_format, register_format
@@ -403,6 +404,7 @@ def export_genai(source, out_dir, otype: str = "auto", exact: bool = False, veri
         manifest = sealed({
             "format": FORMAT,
             **{k: v for k, v in report.items() if k not in drop and not k.startswith("manifest_")},
+            "source": recorded_path(src_path, out_dir),  # relative to the folder: no absolute local path
             "genai": {"config": GENAI_CONFIG, "decoder": "model.onnx", "model_type": report.get("model_type")},
             "verification": verification,
             "notes": notes,
@@ -412,5 +414,6 @@ def export_genai(source, out_dir, otype: str = "auto", exact: bool = False, veri
         write_json_atomic(tmp / EXPORT_MANIFEST, manifest)
     manifest = dict(manifest)
     manifest["path"] = str(out_dir)
+    manifest["source"] = str(src_path)  # the report: where this run read it
     manifest["bytes"] = sum(f["bytes"] for n, f in manifest["files"].items() if n.startswith("model.onnx"))
     return manifest

@@ -160,13 +160,14 @@ def header_values(path: Path, keys) -> dict:
     return out
 
 
-def _manifest_span(path: Path) -> tuple[int, int, dict] | None:
-    """(offset, length, parsed manifest) of the manifest string's bytes in the file; None: it has none,
-    or the file is no readable GGUF at all (then the reader that opens it next refuses it, in its words)."""
+def _manifest_span(path: Path, key: str = MANIFEST_KEY) -> tuple[int, int, dict] | None:
+    """(offset, length, parsed manifest) of the manifest string's bytes in the file (under ``key``); None:
+    it has none, or the file is no readable GGUF at all (then the reader that opens it next refuses it, in
+    its words)."""
     try:
-        span = string_value_span(path, MANIFEST_KEY)
+        span = string_value_span(path, key)
     except ValueError:
-        span = _reader_span(path)  # what the walk does not read (big-endian), gguf's reader does
+        span = _reader_span(path, key)  # what the walk does not read (big-endian), gguf's reader does
     except OSError:
         return None
     if span is None:
@@ -178,19 +179,19 @@ def _manifest_span(path: Path) -> tuple[int, int, dict] | None:
     try:
         manifest = json.loads(value.decode("utf-8"))
     except ValueError as exc:
-        raise ArtifactError(f"{path}: its {MANIFEST_KEY} metadata is not JSON: the file was changed or is "
+        raise ArtifactError(f"{path}: its {key} metadata is not JSON: the file was changed or is "
                             "corrupt") from exc
     return start, length, manifest
 
 
-def _reader_span(path: Path) -> tuple[int, int] | None:
+def _reader_span(path: Path, key: str = MANIFEST_KEY) -> tuple[int, int] | None:
     import gguf
 
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception:  # noqa: BLE001 - not a GGUF at all, or truncated: its reader says so when it opens it
         return None
-    field = reader.fields.get(MANIFEST_KEY)
+    field = reader.fields.get(key)
     if field is None:
         return None
     value = field.parts[field.data[0]]
@@ -215,12 +216,14 @@ def _digest_around(path: Path, start: int, length: int) -> str:
     return digest.hexdigest()
 
 
-def seal_gguf(path) -> dict:
-    """Write the real digests into a GGUF whose manifest holds the placeholders; return the manifest."""
+def seal_gguf(path, key: str = MANIFEST_KEY) -> dict:
+    """Write the real digests into a GGUF whose manifest (the metadata string ``key``: an export's
+    ``slmedge.manifest``, an importance matrix's ``slmedge.imatrix``) holds the placeholders; return the
+    manifest."""
     path = Path(path)
-    span = _manifest_span(path)
+    span = _manifest_span(path, key)
     if span is None:
-        raise ArtifactError(f"{path} has no {MANIFEST_KEY} to seal")
+        raise ArtifactError(f"{path} has no {key} to seal")
     start, length, manifest = span
     # Sealed only as the writer left it: both digests still placeholders. A manifest with anything
     # else there was not written by this export, and is never sealed from what it says.
@@ -237,16 +240,17 @@ def seal_gguf(path) -> dict:
     return manifest
 
 
-def check_gguf(path) -> dict | None:
-    """The manifest of a GGUF slmedge wrote, after checking the file and the manifest against the
-    digests it records (ArtifactError naming the file when either changed); None: no manifest."""
+def check_gguf(path, key: str = MANIFEST_KEY) -> dict | None:
+    """The manifest of a GGUF slmedge wrote (the metadata string ``key``), after checking the file and the
+    manifest against the digests it records (ArtifactError naming the file when either changed); None: no
+    manifest."""
     path = Path(path)
-    span = _manifest_span(path)
+    span = _manifest_span(path, key)
     if span is None:
         return None
     start, length, manifest = span
     if not isinstance(manifest, dict):
-        raise ArtifactError(f"{path}: its {MANIFEST_KEY} metadata is not an slmedge manifest")
+        raise ArtifactError(f"{path}: its {key} metadata is not an slmedge manifest")
     where = f"the manifest inside {path}"
     check_seal(manifest, where, ArtifactError, required=True)
     recorded = manifest.get(FILE_KEY)

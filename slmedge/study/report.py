@@ -102,8 +102,9 @@ def load_rows(store, study: str | None = None) -> list[dict]:
                     "compression_bits": level, "level": mine.get("level"), "export": export, "facts": mine,
                     "family": family(lab) if st is not None else None,
                     "target": run[3], "emulated": bool(run[4]), "settings": json.loads(run[5]), "metrics": metrics,
-                    "name": " · ".join(str(x) for x in (lab.get("model"), lab.get("method"), lab.get("export"),
-                                                         lab.get("target")) if x not in (None, "", "none"))})
+                    "name": " · ".join(str(x) for x in (shown_model(lab.get("model")), lab.get("method"),
+                                                         lab.get("export"), lab.get("target"))
+                                       if x not in (None, "", "none"))})
     return out
 
 
@@ -202,6 +203,19 @@ def _mean(values):
     return sum(v) / len(v) if v else None
 
 
+def shown_model(model):
+    """A model as a report (a file for others) names it: an embedded name or a Hub id as it is, a local
+    path as typed when relative, else by its name (``paths.given_path``): never an absolute local path."""
+    if model is None:
+        return None
+    text = str(model)
+    if text.startswith("~") or Path(text).is_absolute():
+        from ..paths import given_path
+
+        return given_path(text)
+    return text
+
+
 def _source_kind(model: str) -> str | None:
     """What kind of model source a study's (or run's) model is (``slmedge.models.source.resolve``);
     None when it names nothing here any more."""
@@ -231,7 +245,7 @@ def caveats(rows: list[dict]) -> list[str]:
         out.append("The embedded Gemma 3 270M baseline is a Q4_K_M GGUF dequantized to fp32, with the same caveat.")
     # A study's model is the base its grid starts from (a plain run's is what was evaluated, as is).
     bases = {r["labels"].get("model") for r in rows if r.get("study") is not None} - {None}
-    gguf_bases = sorted(str(m) for m in bases if _source_kind(str(m)) == "gguf")
+    gguf_bases = sorted(shown_model(m) for m in bases if _source_kind(str(m)) == "gguf")
     if gguf_bases:
         out.append(f"The base model{'s' if len(gguf_bases) > 1 else ''} {', '.join(gguf_bases)} "
                    f"{'are GGUF files' if len(gguf_bases) > 1 else 'is a GGUF file'} dequantized to fp32: "
@@ -552,7 +566,8 @@ def projection_table(rows) -> dict | None:
             continue
         seen.add(key)
         size = file_size(r)
-        table.append([" · ".join(str(x) for x in key if x), _fmt(size / 1e6 if size else None, "{:.1f}"),
+        table.append([" · ".join(str(x) for x in (shown_model(key[0]), *key[1:]) if x),
+                      _fmt(size / 1e6 if size else None, "{:.1f}"),
                       _fmt(r.get("compression_bits"), "{:.2f}"),
                       *[_fmt((proj.get(n) or {}).get("decode_bound_tps"), "{:.1f}") for n in names]])
     if not table:

@@ -1,0 +1,115 @@
+"""No absolute local path in anything slmedge writes for others (issue 59, item 4).
+
+Everything runs under an absolute temporary HOME whose name is distinctive, with every path on the
+command line absolute (as a user's shell completion writes them): the artifact, its GGUF, ONNX,
+onnxruntime-genai and compressed-tensors exports, an importance matrix and the GGUF weighted by it, and
+a study's HTML and Markdown reports are then read byte by byte for that HOME, the temporary folder
+above it and the distinctive name. What later commands need is still found: the artifact's base model
+(the default fidelity reference) from the artifact and from its export, after the whole work folder
+moved.
+"""
+
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import require_import, tiny_study_file
+
+from slmedge.cli import app
+from tiny import calib_text, save_tiny
+
+runner = CliRunner()
+MARK = "home-Qz7private"  # a path component nothing else would write
+
+
+def cli(*args):
+    res = runner.invoke(app, [str(a) for a in args])
+    assert res.exit_code == 0, res.output
+    return res
+
+
+def leaks(root: Path, *needles: str) -> list[str]:
+    """'file: needle' for every file under ``root`` (or ``root`` itself) holding one of ``needles``."""
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    return [f"{p}: {n}" for p in files for n in needles if n.encode() in p.read_bytes()]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    home = tmp_path / MARK
+    (home / "work").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(home / "work")
+    return home
+
+
+def test_nothing_written_for_others_names_the_users_home(home, tmp_path):
+    require_import("llama_cpp")
+    require_import("onnxruntime")
+    genai = require_import("onnxruntime_genai", "onnxruntime-genai is not installed (pip install 'slmedge[genai]')")
+    assert genai
+    work = home / "work"
+    model = save_tiny("llama", work / "models" / "tiny")
+    (work / "data").mkdir()
+    calib = calib_text(work / "data" / "calib.txt")
+    out = work / "out"
+    art = out / "art"
+    cli("compress", model, "--method", "gptq", "--bits", 4, "--group-size", 32, "--calibration", calib,
+        "--nsamples", 6, "--seqlen", 32, "--batch-size", 4, "-o", art)
+    imx = out / "tiny.imatrix.gguf"
+    cli("imatrix", model, "-o", imx, "--calibration", calib, "--nsamples", 6, "--seqlen", 32, "--batch-size", 4)
+    cli("export", model, "--format", "gguf", "--type", "q4_0", "--imatrix", imx, "-o", out / "weighted.gguf")
+    cli("export", art, "--format", "gguf", "-o", out / "art.gguf")
+    cli("export", art, "--format", "onnx", "--type", "int4", "-o", out / "onnx")
+    cli("export", art, "--format", "onnxruntime-genai", "--type", "int4", "-o", out / "genai", "--no-verify")
+    cli("export", art, "--format", "compressed-tensors", "-o", out / "ct")
+
+    # a study of the model at its absolute path, reported as HTML and Markdown
+    study = tiny_study_file(work, model, "paths", ['method = "rtn"\nbits = 4\ngroup_size = 32'],
+                            exports=('"gguf"',))
+    db = work / "results.sqlite"
+    cli("study", study, "--results-db", db)
+    cli("report", db, "--study", "paths", "-o", out / "report.html")
+    cli("report", db, "--study", "paths", "--format", "md", "-o", out / "report.md")
+
+    found = leaks(out, str(home), str(tmp_path), MARK, str(home.resolve()))
+    assert not found, "\n".join(found)
+    assert (out / "report_files").is_dir() or (out / "report.md").is_file()
+
+    # What reads these records still finds the base model: beside the artifact, and after the work moved
+    from slmedge.evaluate.subject import _artifact_base, open_subject
+
+    assert Path(_artifact_base(art)).resolve() == model.resolve()
+    moved = tmp_path / "elsewhere" / "work"
+    shutil.copytree(work, moved)
+    shutil.rmtree(work)
+    assert Path(_artifact_base(moved / "out" / "art")).resolve() == (moved / "models" / "tiny").resolve()
+    sub = open_subject(str(moved / "out" / "art.gguf"))
+    try:
+        assert Path(sub.base_spec).resolve() == (moved / "models" / "tiny").resolve()
+    finally:
+        sub.close()
+
+
+def test_a_path_is_recorded_relative_or_by_name(tmp_path, monkeypatch):
+    from slmedge.paths import given_path, recorded_path, relative_path, resolve_recorded, shareable_source
+
+    home = tmp_path / "h" / "alice"
+    monkeypatch.setenv("HOME", str(home))
+    assert relative_path(home / "models" / "m", home / "out" / "art") == "../../models/m"
+    assert relative_path("/opt/models/m", home / "out") is None  # only "/" in common: the path would be spelled out
+    assert relative_path(home / "m", tmp_path / "out") is None  # down into the home from above it: its name spelled
+    assert relative_path(tmp_path / "m", home / "out") == "../../../m"  # up out of the home: no name in it
+    assert recorded_path("/opt/models/m", home) == "m"
+    assert given_path("data/c.txt") == "data/c.txt" and given_path(str(home / "c.txt")) == "c.txt"
+    assert given_path("../c.txt") == "c.txt" and given_path("~/c.txt") == "c.txt"
+    ident = shareable_source({"kind": "hf_dir", "path": str(home / "models" / "m"), "weights_sha256": "ab"},
+                             home / "out" / "art")
+    assert ident == {"kind": "hf_dir", "name": "m", "path": "../../models/m", "weights_sha256": "ab"}
+    (home / "models" / "m").mkdir(parents=True)
+    (home / "out" / "art").mkdir(parents=True)  # the folder holding the record (where the manifest is)
+    assert resolve_recorded(ident["path"], home / "out" / "art") == home / "out" / "art" / "../../models/m"
+    assert resolve_recorded(str(home / "models" / "m"), tmp_path) == home / "models" / "m"  # earlier versions'
+    assert resolve_recorded("../nowhere", home) is None
