@@ -95,6 +95,66 @@ def child_options() -> dict:
     return {"preexec_fn": lambda: _preexec(parent)}
 
 
+# --- a stop asked from outside: SIGTERM, SIGHUP, and kill -INT ---------------------------------------
+#
+# Ctrl-C raises KeyboardInterrupt, and every command already answers that: its temporary files and
+# locks go, the evaluation it was recording is marked failed, one line (``interrupted``) and exit 130.
+# SIGTERM (``kill PID``, a scheduler, systemd, a CI timeout) and SIGHUP (a terminal closed) are
+# answered the same way: ``stop_on_signals`` makes them raise ``Stopped``, a KeyboardInterrupt, in the
+# main thread; the command line then says ``terminated (SIGTERM)`` and exits 128 + N.
+
+
+class Stopped(KeyboardInterrupt):
+    """Raised in the main thread by SIGTERM or SIGHUP (``stop_on_signals``): the command stops as
+    on Ctrl-C, then exits 128 + ``signum``. ``str()`` is the line said and the reason recorded."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        try:
+            name = signal.Signals(self.signum).name
+        except ValueError:
+            name = f"signal {self.signum}"
+        return f"terminated ({name})"
+
+
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+_stopping: list[float] = []  # when the last stop was raised
+
+
+def _stop(signum, frame) -> None:
+    import time
+
+    now = time.monotonic()
+    # A stop sent to the process group by a process reaches the supervised child twice (directly and
+    # passed on by its supervisor), a few microseconds apart: the second would break into the first
+    # one's clean-up. One stop per second; a later one stops the clean-up, as a second Ctrl-C does.
+    if _stopping and now - _stopping[-1] < 1.0:
+        return
+    _stopping.append(now)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Stopped(signum)
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGHUP raise ``Stopped`` in the main thread, SIGINT KeyboardInterrupt (once per
+    second); a signal this process was started with ignored (``nohup``: SIGHUP) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (*STOP_SIGNALS, signal.SIGINT):
+        if signal.getsignal(sig) in (signal.SIG_IGN, None):
+            continue
+        signal.signal(sig, _stop)
+
+
+def stop_code(exc: BaseException) -> int:
+    """The exit code of a command stopped by ``exc``: 128 + N for a signal N, 130 for Ctrl-C."""
+    return 128 + exc.signum if isinstance(exc, Stopped) else 130
+
+
 # --- a native crash, told in one line -----------------------------------------------------------
 #
 # A segfault in llama.cpp or onnxruntime ends the process that runs it at once: no Python code runs,
@@ -212,37 +272,72 @@ def supervise(command: str, waiter: str | None = None) -> tuple[int, dict | None
     raise AssertionError("exec returned")  # (not reached)
 
 
+def _one_thread() -> bool:
+    """Whether this process runs one thread (native ones counted: a signal may reach any of them)."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+SI_KERNEL = 0x80  # siginfo's si_code of a signal the kernel sent: a terminal's Ctrl-C (to the whole group)
+
+
 def wait_for_child(pid: int, slot) -> tuple[int, dict | None]:
     """Wait for the supervised child ``pid``: (exit code, None) for a child that exited; (128 + N, what
     it was doing) for one that died of signal N (``{"signal": N, "native": [what, file] | None,
-    "notes": {...}}``), read from ``slot``. SIGINT is ignored meanwhile (a terminal sends Ctrl-C to
-    both; the child handles it); SIGTERM, SIGHUP and SIGQUIT are passed on to the child, and this
-    process then ends by the same signal, as the one who sent it expects."""
+    "notes": {...}}``), read from ``slot``.
+
+    SIGTERM, SIGHUP and SIGQUIT are passed on to the child (which stops as on Ctrl-C, says so and exits
+    128 + N); a child that dies of one of them instead makes this process end by the same signal, as
+    the one who sent it expects. SIGINT is passed on when a process sent it (``kill -INT PID``, to this
+    PID alone), not when a terminal did: a terminal's Ctrl-C reaches the whole process group, the child
+    included, which answers it. Telling the two apart needs the signal's sender (``sigtimedwait``);
+    where that is not available, SIGINT is ignored here."""
     forwarded: list[int] = []
 
-    def forward(signum, frame):
+    def forward(signum, frame=None):
         forwarded.append(signum)
         try:
             os.kill(pid, signum)
         except ProcessLookupError:
             pass
 
-    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
-        sig = getattr(signal, name, None)
-        if sig is not None:
+    stops = [s for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGHUP", "SIGQUIT")) if s is not None
+             and signal.getsignal(s) != signal.SIG_IGN]  # one started ignored (nohup: SIGHUP) stays ignored
+    waits = hasattr(signal, "sigtimedwait") and _one_thread()  # the exec'd supervisor: a mask blocks in one thread
+    if waits:
+        watched = {signal.SIGCHLD, signal.SIGINT, *stops}
+        signal.pthread_sigmask(signal.SIG_BLOCK, watched)  # kept pending until taken here, ignored ones too
+        for sig in (signal.SIGINT, *stops):
+            signal.signal(sig, signal.SIG_DFL)
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            info = signal.sigtimedwait(watched, 1.0)  # SIGCHLD, or a second on the way: the check above again
+            if info is None or info.si_signo == signal.SIGCHLD:
+                continue
+            if info.si_signo == signal.SIGINT and info.si_code == SI_KERNEL:
+                continue  # a terminal's Ctrl-C: the child has it too
+            forward(info.si_signo)
+    else:
+        for sig in stops:
             signal.signal(sig, forward)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except InterruptedError:
-            continue
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
     if os.WIFEXITED(status):
         return os.WEXITSTATUS(status), None
     signum = os.WTERMSIG(status)
     if signum in forwarded:  # asked to stop from outside: end the same way
         signal.signal(signum, signal.SIG_DFL)
+        if waits:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
         os.kill(os.getpid(), signum)
     return 128 + signum, {"signal": signum, **_read(slot)}
 

@@ -69,7 +69,7 @@ EXIT_CODES = """\
 | 1 | a bad or missing input (a model, file or folder that is not there, unreadable, corrupt, or refused such as pickled weights), an output location that cannot be used (not writable, a folder where a file is needed, an input of the same command, something `--overwrite` may not replace, an output another slmedge process is writing right now), or a failure while working |
 | 2 | a bad setting: an unknown name (method, format, type, runtime, target, metric, task, language), a value out of range, an impossible combination, a malformed profile or study file; the command line's own usage errors |
 | 130 | interrupted (Ctrl-C): one line, `interrupted`; outputs in progress are removed |
-| 128+N | `evaluate`, `export` and `run` ended by signal N (143 for SIGTERM, 137 for SIGKILL, 139 for a segmentation fault in a runtime's native code): one `error:` line naming what was running and on which file; nothing half-written is left and no worker outlives the command ([Safety](../concepts/safety.md)) |
+| 128+N | stopped by SIGTERM (143) or SIGHUP (129): one line, `terminated (SIGTERM)`, and the clean-up of an interrupt (the evaluation being recorded marked failed, temporary files and locks removed); `evaluate`, `export` and `run` ended by another signal N (137 for SIGKILL, 139 for a segmentation fault in a runtime's native code): one `error:` line naming what was running and on which file; nothing half-written is left and no worker outlives the command ([Safety](../concepts/safety.md)) |
 """
 
 

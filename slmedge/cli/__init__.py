@@ -3,7 +3,8 @@
 Exit codes (README.md, "Exit codes"): 0 done; 1 a bad or missing input, an output location that
 cannot be used, or a failure while working; 2 a bad setting or a usage error; 130 interrupted
 (one line, ``interrupted``, wherever the interrupt lands: while the command line's modules load,
-while a command parses its options, or while it works)."""
+while a command parses its options, or while it works); 128 + N stopped by SIGTERM or SIGHUP (one
+line, ``terminated (SIGTERM)``, and the same clean-up as an interrupt: ``procs.stop_on_signals``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ try:
 
     from .artifact import artifact_app
     from ..quiet import quiet_libraries, set_debug
-    from .common import INTERRUPTED, print_interrupted, state
+    from .common import print_interrupted, state
     from .compress import compress_command
     from .data import data_app
     from .evaluate import evaluate_command, lm_eval_command
@@ -42,11 +43,10 @@ class _Group(TyperGroup):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             if state.debug:
                 raise
-            print_interrupted()
-            raise typer.Exit(INTERRUPTED) from None
+            raise typer.Exit(print_interrupted(exc)) from None
 
 
 app = typer.Typer(
@@ -86,9 +86,11 @@ app.command("report")(report_command)
 
 
 def main() -> None:
+    from ..procs import stop_on_signals
+
     state.supervise = True  # the command line: evaluate and export run in a supervised child (common.supervised)
+    stop_on_signals()  # SIGTERM and SIGHUP stop a command as Ctrl-C does (procs.Stopped)
     try:
         app()
-    except KeyboardInterrupt:  # between click's handling and the exit (rare)
-        print_interrupted()
-        raise SystemExit(INTERRUPTED) from None
+    except KeyboardInterrupt as exc:  # between click's handling and the exit (rare)
+        raise SystemExit(print_interrupted(exc)) from None

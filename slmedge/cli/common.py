@@ -3,7 +3,7 @@ work (output locations, model sources), progress bars, the console.
 
 Exit codes (README.md, "Exit codes"): 0 done; 1 a bad or missing input, an output location that
 cannot be used, or a failure while working; 2 a bad setting (ConfigError, and click's usage
-errors); 130 interrupted.
+errors); 130 interrupted; 128 + N stopped by signal N (SIGTERM, SIGHUP: ``procs.Stopped``).
 """
 
 from __future__ import annotations
@@ -68,8 +68,13 @@ def print_error(message: str) -> None:
     err_console.print(f"[bold red]error:[/] {escape(first)}", highlight=False, soft_wrap=True)
 
 
-def print_interrupted() -> None:
-    err_console.print("interrupted", highlight=False, soft_wrap=True)
+def print_interrupted(exc: BaseException | None = None) -> int:
+    """The one line of a stopped command (``interrupted`` for Ctrl-C, ``terminated (SIGTERM)`` for a
+    signal: ``procs.Stopped``); returns its exit code (130, 128 + N)."""
+    from ..procs import Stopped, stop_code
+
+    err_console.print(str(exc) if isinstance(exc, Stopped) else "interrupted", highlight=False, soft_wrap=True)
+    return stop_code(exc) if exc is not None else INTERRUPTED
 
 
 @contextlib.contextmanager
@@ -85,11 +90,10 @@ def errors_to_exit() -> Iterator[None]:
             raise
         print_error(str(exc))
         raise typer.Exit(exc.exit_code) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or procs.Stopped: SIGTERM, SIGHUP
         if state.debug:
             raise
-        print_interrupted()
-        raise typer.Exit(INTERRUPTED) from None
+        raise typer.Exit(print_interrupted(exc)) from None
     except OSError as exc:
         if state.debug:
             raise

@@ -14,6 +14,7 @@ from ..data.files import data_files
 from ..registry import Registry
 from ..runtimes.registry import get_runtime
 from .corpora import load_corpus, ntrex_languages
+from ..procs import Stopped
 
 # The metrics an evaluation can run, in the order they run: name -> function of the Evaluation.
 # The built-in ones are Evaluation's methods below; a plug-in registers a function of its own.
@@ -295,7 +296,7 @@ class Evaluation:
                 METRICS[metric](self)
                 self._save()
         except BaseException as exc:  # the run is marked failed (an interrupt included); what finished is kept
-            reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
+            reason = (str(exc) if isinstance(exc, Stopped) else "interrupted") if isinstance(exc, KeyboardInterrupt) else \
                 (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
             self._end_run(reason)
             raise

@@ -12,6 +12,10 @@ slmedge store (a text file, another program's SQLite database) is refused before
 written to it, so it is left byte for byte as it was. Opened with ``readonly=True`` (``slmedge
 report``) the file is opened read-only and never created or upgraded: a store written by an
 older slmedge is read through an upgraded copy in memory.
+
+A writer killed in the middle of a transaction leaves a hot journal beside the store; the next
+read-write open rolls it back (the store as of its last commit, nothing committed lost), and a
+read-only one reads a rolled-back copy (``_recover``, ``_rolled_back``).
 """
 
 from __future__ import annotations
@@ -125,10 +129,12 @@ def _foreign(path: Path, why: str) -> ResultsStoreError:
                              "give another results store")
 
 
-def inspect_file(path: Path) -> list[str] | None:
+def inspect_file(path: Path, recover: bool = True) -> list[str] | None:
     """What ``path`` holds, read without writing anything: None when it is missing or empty (a
     store may be created there), else the migrations slmedge applied to it. A file that is not an
-    slmedge store raises :class:`ResultsStoreError`, and is not modified."""
+    slmedge store raises :class:`ResultsStoreError`, and is not modified. A store a stopped writer
+    left a hot journal beside is rolled back to its last commit first (``_recover``); with
+    ``recover=False`` that raises ``_Unfinished`` instead."""
     if not path.exists():
         return None
     if path.is_dir():
@@ -143,22 +149,16 @@ def inspect_file(path: Path) -> list[str] | None:
     if head != _SQLITE_MAGIC:
         raise _foreign(path, "not an SQLite database")
     try:
-        con = sqlite3.connect(_ro_uri(path), uri=True, timeout=60)
-    except sqlite3.Error as exc:
-        raise ResultsStoreError(f"cannot open the results store {path}: {exc}") from exc
-    try:
-        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-                  if not r[0].startswith("sqlite_")}
-        if "migrations" not in tables:
-            raise _foreign(path, "an SQLite database without slmedge's migrations table")
-        columns = {r[1] for r in con.execute("PRAGMA table_info(migrations)")}
-        if columns != {"name", "applied_at"}:
-            raise _foreign(path, "its migrations table is not slmedge's")
-        applied = [r[0] for r in con.execute("SELECT name FROM migrations ORDER BY rowid")]
-    except sqlite3.DatabaseError as exc:
-        raise _foreign(path, f"SQLite cannot read it: {exc}") from exc
-    finally:
-        con.close()
+        tables, applied = _migrations_of(path, _ro_uri(path))
+    except _Unfinished:
+        if not recover:
+            raise
+        tables, applied = _recover(path)
+    return _applied_of(path, tables, applied)
+
+
+def _applied_of(path: Path, tables: set[str], applied: list[str]) -> list[str]:
+    """``applied``, checked: refused when the migrations or tables are not slmedge's, or newer."""
     known = [name for name, _ in MIGRATIONS]
     if not applied:
         # slmedge creates the migrations table, then the first migration: a crash between leaves this.
@@ -177,6 +177,97 @@ def inspect_file(path: Path) -> list[str] | None:
     return applied
 
 
+class _Unfinished(Exception):
+    """A read-only connection met a hot journal: a writer died mid-transaction (``_recover``)."""
+
+
+def _migrations_of(path: Path, uri: str, shown: Path | None = None) -> tuple[set[str], list[str]]:
+    """(tables, applied migrations) of the SQLite file at ``uri``, refused when not an slmedge store."""
+    shown = shown or path
+    try:
+        con = sqlite3.connect(uri, uri=True, timeout=60)
+    except sqlite3.Error as exc:
+        raise ResultsStoreError(f"cannot open the results store {shown}: {exc}") from exc
+    try:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                  if not r[0].startswith("sqlite_")}
+        if "migrations" not in tables:
+            raise _foreign(shown, "an SQLite database without slmedge's migrations table")
+        columns = {r[1] for r in con.execute("PRAGMA table_info(migrations)")}
+        if columns != {"name", "applied_at"}:
+            raise _foreign(shown, "its migrations table is not slmedge's")
+        return tables, [r[0] for r in con.execute("SELECT name FROM migrations ORDER BY rowid")]
+    except sqlite3.OperationalError as exc:
+        if getattr(exc, "sqlite_errorname", "") == "SQLITE_READONLY_ROLLBACK" or "readonly database" in str(exc):
+            raise _Unfinished() from exc
+        raise _foreign(shown, f"SQLite cannot read it: {exc}") from exc
+    except sqlite3.DatabaseError as exc:
+        raise _foreign(shown, f"SQLite cannot read it: {exc}") from exc
+    finally:
+        con.close()
+
+
+def _rolled_back(path: Path) -> tuple[sqlite3.Connection, set[str], list[str]]:
+    """The store at ``path`` as of its last commit, in memory: the file and its hot journal copied
+    into a temporary folder, where a read-write connection rolls the journal back (``_recover``);
+    with its tables and applied migrations. ``path`` and its journal are not touched."""
+    import shutil
+    import tempfile
+
+    journal = path.with_name(path.name + "-journal")
+    with tempfile.TemporaryDirectory(prefix="slmedge-store-") as tmp:
+        copy = Path(tmp) / "store.sqlite"
+        try:
+            shutil.copyfile(path, copy)
+            shutil.copyfile(journal, copy.with_name(copy.name + "-journal"))
+        except FileNotFoundError:  # the journal went meanwhile (another process rolled it back)
+            copy.with_name(copy.name + "-journal").unlink(missing_ok=True)
+        except OSError as exc:
+            raise ResultsStoreError(f"cannot read the results store {path}: {exc.strerror or exc}") from exc
+        try:
+            tables, applied = _migrations_of(copy, copy.as_uri(), shown=path)  # read-write: rolled back here
+        except _Unfinished:
+            raise ResultsStoreError(f"cannot undo the unfinished write in a copy of {path}") from None
+        disk = sqlite3.connect(str(copy))
+        try:
+            memory = sqlite3.connect(":memory:")
+            disk.backup(memory)
+        finally:
+            disk.close()
+    return memory, tables, applied
+
+
+def _recover(path: Path) -> tuple[set[str], list[str]]:
+    """A store whose writer died in the middle of a transaction (``kill -9``, the out-of-memory killer,
+    a power loss) has a hot journal beside it (``NAME-journal``: the pages as they were before); a
+    read-only connection cannot roll it back ("attempt to write a readonly database"). SQLite rolls
+    it back on the first read of a read-write connection: the store is then as it was at its last
+    commit, nothing committed lost. That is done here, once a rolled-back copy has shown the file to
+    be an slmedge store (another program's database is left as it is). Where the file or its folder
+    cannot be written, the error says what to do (``slmedge report`` reads the copy instead)."""
+    memory, tables, applied = _rolled_back(path)
+    memory.close()
+    _applied_of(path, tables, applied)  # refuses what is not ours, untouched
+    journal = path.with_name(path.name + "-journal")
+    try:
+        if not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
+            raise PermissionError(path)
+        con = sqlite3.connect(str(path), timeout=60)
+        try:
+            con.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # rolls the hot journal back
+        finally:
+            con.close()
+    except (OSError, sqlite3.Error):
+        raise ResultsStoreError(
+            f"the results store {path} holds a write that a stopped process left unfinished ({journal.name} beside "
+            f"it), which cannot be undone where the store is (the file or {path.parent} cannot be written): make "
+            f"them writable, or copy {path.name} and {journal.name} together into a folder you can write and use "
+            "that copy; slmedge undoes the write when it opens it, and loses nothing recorded before "
+            "(slmedge report reads it as it is)"
+        ) from None
+    return _migrations_of(path, _ro_uri(path))
+
+
 def _ro_uri(path: Path) -> str:
     return path.resolve().as_uri() + "?mode=ro"
 
@@ -191,13 +282,19 @@ class ResultsStore:
     def __init__(self, path: Path | str | None = None, readonly: bool = False):
         self.path = Path(path).expanduser() if path else default_path()
         self.readonly = readonly
-        applied = inspect_file(self.path)  # refuses what is not ours before anything is written
         if readonly:
+            try:
+                applied = inspect_file(self.path, recover=False)
+            except _Unfinished:  # a stopped writer's hot journal: read the store as of its last commit
+                memory, tables, applied = _rolled_back(self.path)
+                self._open_readonly(_applied_of(self.path, tables, applied), memory)
+                return
             if applied is None:
                 what = "is empty" if self.path.exists() else "does not exist"
                 raise ResultsStoreError(f"no results store at {self.path} (the file {what}); nothing was created")
             self._open_readonly(applied)
             return
+        applied = inspect_file(self.path)  # refuses what is not ours before anything is written
         created = applied is None and not self.path.exists()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -215,11 +312,12 @@ class ResultsStore:
                 raise no_space(self.path, 2 * 4096 * 16, left="no results were recorded") from exc
             raise ResultsStoreError(f"cannot write the results store {self.path} ({exc})") from exc
 
-    def _open_readonly(self, applied: list[str]) -> None:
-        try:
-            disk = sqlite3.connect(_ro_uri(self.path), uri=True, timeout=60)
-        except sqlite3.Error as exc:
-            raise ResultsStoreError(f"cannot open the results store {self.path}: {exc}") from exc
+    def _open_readonly(self, applied: list[str], disk: sqlite3.Connection | None = None) -> None:
+        if disk is None:
+            try:
+                disk = sqlite3.connect(_ro_uri(self.path), uri=True, timeout=60)
+            except sqlite3.Error as exc:
+                raise ResultsStoreError(f"cannot open the results store {self.path}: {exc}") from exc
         if len(applied) == len(MIGRATIONS):
             self.db = disk
             return
