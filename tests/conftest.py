@@ -20,6 +20,9 @@ if not os.environ.get("SLMEDGE_TARGET_ENVS"):
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Progress lines stay out of the output the tests read (an error is one line, JSON is JSON); the tests
+# of the progress display turn it on (tests/test_progress.py, the main job's in test_cli_output.py).
+os.environ.setdefault("SLMEDGE_PROGRESS", "off")
 
 
 @pytest.fixture(scope="session")
@@ -74,6 +77,8 @@ def small_recipe(calib_file, **kw):
     from slmedge.compress.recipe import Recipe
 
     base = dict(group_size=32, calibration=str(calib_file), nsamples=6, seqlen=32, batch_size=4, awq_grid=4)
+    if kw.get("grid") or kw.get("bpw"):  # a grid fixes the group size: one given besides is refused
+        del base["group_size"]
     base.update(kw)
     return Recipe(**base)
 

@@ -44,7 +44,7 @@ def test_export_onnx_then_inspect(gptq_artifact, tmp_path):
     out = tmp_path / "onnx"
     r = runner.invoke(app, ["export", str(gptq_artifact), "--format", "onnx", "--type", "int4", "-o", str(out), "--json"])
     assert r.exit_code == 0, r.output
-    report = json.loads(r.output)
+    report = json.loads(r.stdout)  # progress lines go to stderr
     assert report["exact"] and report["ops"]["MatMulNBits"] >= 14
     r = runner.invoke(app, ["inspect", str(out), "--json"])
     info = json.loads(r.output)

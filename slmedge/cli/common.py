@@ -12,7 +12,6 @@ import contextlib
 import functools
 import inspect
 import os
-import sys
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator
@@ -21,7 +20,6 @@ import typer
 from rich import table as rich_table
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import OutputError, OutputExistsError, SlmedgeError, brief
 from ..fsutil import disk_full, refuse_replacing, user_paths  # noqa: F401 - user_paths: imported from here too
@@ -263,17 +261,29 @@ def check_model(spec, revision: str | None = None, trust_remote_code: bool = Fal
 
 @contextlib.contextmanager
 def progress_bar(enabled: bool = True):
-    """A rich progress bar; yields ``callback(task, done, total)``."""
-    if not enabled or not sys.stderr.isatty():
-        yield None
-        return
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err_console, transient=True) as progress:
-        tasks: dict[str, int] = {}
+    """The command's progress on stderr (``slmedge.progress``: live bars on a terminal, a plain line
+    per stage elsewhere); yields the reporter, also the library's ``callback(stage, done, total)``."""
+    from .. import progress
 
-        def update(name: str, done: int, total: int) -> None:
-            if name not in tasks:
-                tasks[name] = progress.add_task(name, total=total)
-            progress.update(tasks[name], completed=done, total=total)
+    with progress.reporter(enabled) as rep:
+        yield rep
 
-        yield update
+
+def given_options(*names: str) -> set[str] | None:
+    """Which of the running command's parameters ``names`` were given (on the command line or by an
+    environment variable), not left at their defaults; None outside a command (then a recipe judges
+    by value: ``Recipe.validate``)."""
+    import importlib
+
+    ctx = None
+    for package in ("typer._click", "click"):  # typer 0.2x runs its own copy of click; earlier ones click
+        try:
+            ctx = importlib.import_module(f"{package}.globals").get_current_context(silent=True)
+        except ImportError:
+            continue
+        if ctx is not None:
+            break
+    if ctx is None:
+        return None
+    sources = {n: ctx.get_parameter_source(n) for n in names}
+    return {n for n, source in sources.items() if source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")}

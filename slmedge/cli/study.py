@@ -45,6 +45,13 @@ def study_command(
         check_engine(engine, workers)
         study = load_study(study_file)
         wd = study_workdir(study, workdir)
+        # A workdir that cannot be one is refused before the plan is shown and the store is opened.
+        shown = f"--workdir {wd}" if workdir else f"the study's workdir {wd}"
+        if wd.exists() and not wd.is_dir():
+            from ..errors import OutputError
+
+            raise OutputError(f"{shown} is a file; a study's workdir is a folder: give a folder path")
+        check_writable_place(wd, "--workdir" if workdir else "the study's workdir")
         jobs = build_jobs(study, wd, str(data_dir) if data_dir else None)  # every input found and hashed
         kinds = {k: sum(j.kind == k for j in jobs) for k in ("compress", "export", "evaluate")}
         console.print(f"study {study.name}: {len(jobs)} jobs ({kinds['compress']} compress, {kinds['export']} export, "
@@ -63,14 +70,30 @@ def study_command(
             if done_before:
                 console.print(f"resuming: {done_before} job(s) already finished")
 
-            def progress(job, counts, left):
-                console.print(f"[{counts['ran'] + counts['reused'] + counts['already_done']}/{counts['jobs']}] "
-                              f"{job.kind} {job.id} done ({left} left, {counts['failed']} failed)", markup=False,
-                              highlight=False)
+            import sys
+            import time
 
-            counts = run_study(study, store, engine=engine, workers=workers, address=address, workdir=workdir,
-                               data_dir=str(data_dir) if data_dir else None, progress=progress,
-                               discard_artifacts=discard_artifacts)
+            from ..progress import format_seconds
+            from .common import progress_bar
+
+            started = time.monotonic()
+
+            def progress(job, counts, left):
+                done = counts['ran'] + counts['reused'] + counts['already_done']
+                elapsed = time.monotonic() - started
+                # the time left at this run's pace so far (the jobs finished before it took none of it)
+                pace = elapsed / (done - done_before) if done > done_before else None
+                eta = f", about {format_seconds(pace * left)} left" if pace is not None and left else ""
+                console.print(f"[{done}/{counts['jobs']}] {job.kind} {job.id} done ({left} left, {counts['failed']} "
+                              f"failed; {format_seconds(elapsed)} so far{eta})", markup=False, highlight=False)
+                if reporter is not None:
+                    reporter("jobs", done, counts["jobs"])
+
+            # a live bar of the jobs on a terminal; elsewhere the line per job above is the progress
+            with progress_bar(enabled=sys.stderr.isatty()) as reporter:
+                counts = run_study(study, store, engine=engine, workers=workers, address=address, workdir=workdir,
+                                   data_dir=str(data_dir) if data_dir else None, progress=progress,
+                                   discard_artifacts=discard_artifacts)
         finally:
             store.close()
         per_min = counts["ran"] / (counts["seconds"] / 60) if counts["seconds"] > 0 else 0.0

@@ -13,6 +13,7 @@ from ..errors import ConfigError
 from ..fsutil import check_output_dir, output_lock
 from ..models.source import SOURCE_DTYPE, LoadedModel, load, resolve
 from ..paths import shareable_source
+from ..progress import stage as progress_stage
 from .artifact import MANIFEST, Artifact, CompactWeights, source_dtypes, write_artifact
 from .engine import CompressionResult, compress_model, is_skipped, resolve_device
 from .methods import get_method
@@ -164,6 +165,37 @@ def check_compress_bounds(model, recipe: Recipe, revision=None, device=None, opt
                  "lower --nsamples, --seqlen or --batch-size")
 
 
+def grid_use(result: CompressionResult, recipe: Recipe) -> tuple[dict, dict | None]:
+    """On llama.cpp's grids: the grids the linears went on (name -> linears, bits per weight as GGUF
+    stores it), and, with one ``--grid``, llama.cpp's fallback where the grid's super-blocks did not
+    divide a linear's rows (the grid it fell back to, the linears by name with their block's number
+    as ``*``, how many of how many, why); ({}, None) on the uniform grid."""
+    from ..models.grids import GRIDS, Grid
+
+    if not recipe.on_grid:
+        return {}, None
+    used: dict[str, dict] = {}
+    for name, res in result.layers.items():
+        if isinstance(res.spec, Grid):
+            entry = used.setdefault(res.spec.name, {"linears": 0, "bits_per_weight": round(res.spec.bits_per_weight, 4)})
+            entry["linears"] += 1
+    fell = sorted(n for n, r in result.layers.items() if isinstance(r.spec, Grid) and recipe.grid is not None
+                  and r.spec.name != recipe.grid)
+    if not fell:
+        return used, None
+    import re
+
+    patterns: dict[str, int] = {}
+    for n in fell:
+        key = re.sub(r"\.\d+\.", ".*.", n, count=1)
+        patterns[key] = patterns.get(key, 0) + 1
+    to = sorted({result.layers[n].spec.name for n in fell})
+    grid = GRIDS[recipe.grid]
+    return used, {"grid": recipe.grid, "to": to, "linears": patterns, "count": len(fell),
+                  "of": sum(1 for r in result.layers.values() if isinstance(r.spec, Grid)),
+                  "why": f"rows not divisible by {grid.block} ({grid.name}'s super-block)"}
+
+
 def summarize(model, result: CompressionResult, recipe: Recipe) -> dict:
     total = sum(p.numel() for p in model.parameters())
     counts = result.counts.values()
@@ -171,8 +203,20 @@ def summarize(model, result: CompressionResult, recipe: Recipe) -> dict:
     masked = sum(c["masked"] for c in counts)
     quantized = sum(c["quantized"] for c in counts)
     bits = sum(c["code_bits"] for c in counts)
+    grids, fallback = grid_use(result, recipe)
+    headline = recipe.describe()
+    if fallback is not None:  # the headline says what the codes are on
+        to = "/".join(fallback["to"])
+        headline += (f" -> {to} on every linear (llama.cpp's fallback)" if fallback["count"] == fallback["of"] else
+                     f" ({to} on {fallback['count']} of {fallback['of']} linears: llama.cpp's fallback)")
+    extra = {}
+    if grids:
+        extra["grids"] = grids
+    if fallback is not None:
+        extra["fallback"] = fallback
     return {
-        "recipe": recipe.describe(),
+        "recipe": headline,
+        **extra,
         "parameters": total,
         "compressed_parameters": sum(c["parameters"] for c in counts),
         "compressed_linears": len(result.layers),
@@ -226,16 +270,18 @@ def compress(
 def _compress(model, recipe: Recipe, output, data_dir, dev, overwrite: bool, trust_remote_code: bool, revision,
               text_field: str, progress, write: bool) -> CompressOutcome:
     started = time.perf_counter()
-    loaded = load(model, revision=revision, trust_remote_code=trust_remote_code,
-                  dtype=SOURCE_DTYPE if write else torch.float32)
+    with progress_stage("load the model"):
+        loaded = load(model, revision=revision, trust_remote_code=trust_remote_code,
+                      dtype=SOURCE_DTYPE if write else torch.float32)
     load_s = time.perf_counter() - started
     check_compatible(loaded, recipe)
     method = get_method(recipe.method).cls(recipe)
     calib = None
     calib_identity = None
     if method.needs_calibration:
-        calib_set = load_calibration(recipe.calibration, loaded.tokenizer, recipe.nsamples, recipe.seqlen, recipe.seed,
-                                     data=data_dir, text_field=text_field)
+        with progress_stage("calibration text"):
+            calib_set = load_calibration(recipe.calibration, loaded.tokenizer, recipe.nsamples, recipe.seqlen,
+                                         recipe.seed, data=data_dir, text_field=text_field)
         calib, calib_identity = calib_set.tokens, calib_set.identity
     torch.manual_seed(recipe.seed)
     # The dtypes untouched tensors are written in: the source files', else the model's as loaded.
@@ -260,7 +306,8 @@ def _compress(model, recipe: Recipe, output, data_dir, dev, overwrite: bool, tru
     if write:
         # The artifact's weights, rebuilt, are fp32 whatever the source's dtype (as version 1's were).
         loaded.model.config.dtype = torch.float32
-        artifact = write_artifact(output, loaded.model, loaded.tokenizer, result.layers, result.extras, manifest, overwrite,
-                                  source_dir=loaded.hf_dir, compact=compact)
+        with progress_stage("write the artifact"):
+            artifact = write_artifact(output, loaded.model, loaded.tokenizer, result.layers, result.extras, manifest,
+                                      overwrite, source_dir=loaded.hf_dir, compact=compact)
         loaded.model = None  # its blocks were freed as they were written
     return CompressOutcome(artifact, loaded, result, summary, manifest)

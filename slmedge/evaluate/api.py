@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, replace
@@ -11,10 +12,11 @@ from .. import limits
 from ..errors import ConfigError, DataError, DiskFullError, SlmedgeError, UnknownDataError
 from ..fsutil import SEAL_KEY, check_seal, sealed, sha256_file, write_json_atomic
 from ..data.files import data_files
+from ..progress import stage as progress_stage
 from ..registry import Registry
+from ..procs import Stopped
 from ..runtimes.registry import get_runtime
 from .corpora import load_corpus, ntrex_languages
-from ..procs import Stopped
 
 # The metrics an evaluation can run, in the order they run: name -> function of the Evaluation.
 # The built-in ones are Evaluation's methods below; a plug-in registers a function of its own.
@@ -240,6 +242,11 @@ class Evaluation:
                 if not load_corpus(f, s.data_dir).strip():
                     raise DataError(f"the corpus {f} is empty: no text to score")
             self._corpus_texts = _corpora(s)
+            from .perplexity import check_corpus_length
+
+            named = {**{n: n for n in self._corpus_texts}, **{Path(f).name: f for f in s.corpora}}
+            for name, text in self._corpus_texts.items():  # one window at least, in this tokenizer
+                check_corpus_length(self.sub.encoder, text, s.seqlen, named[name])
         if "tasks" in s.metrics:
             from .tasks import load_task
 
@@ -293,14 +300,20 @@ class Evaluation:
         self._record_run()
         try:
             for metric in order:
-                METRICS[metric](self)
+                # perplexity, fidelity and tasks count their windows and items (self.progress); the
+                # others show as one stage each, with its time
+                with progress_stage(metric) if metric in ("memory", "latency") else contextlib.nullcontext():
+                    METRICS[metric](self)
                 self._save()
         except BaseException as exc:  # the run is marked failed (an interrupt included); what finished is kept
             reason = (str(exc) if isinstance(exc, Stopped) else "interrupted") if isinstance(exc, KeyboardInterrupt) else \
                 (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
+            # The JSON copy says so too: what it holds is what finished before the failure, not a result.
+            self.results.update(status="failed", error=reason)
             self._end_run(reason)
             raise
         else:
+            self.results["status"] = "done"
             self._end_run(None)  # every metric finished: the run is done, whatever befalls its JSON copy
         finally:
             self.results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -414,8 +427,9 @@ class Evaluation:
                     return [ItemScore(**d) for d in cached["scores"]]
             except (OSError, ValueError, TypeError, KeyError):
                 pass
+        counted = self.progress and (lambda task, done, total: self.progress(f"{task} (reference)", done, total))
         _, scores = run_task(ref.runtime, ref.encoder, name, self.settings.data_dir, self.settings.limit, max_len,
-                             self.progress)
+                             counted)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, sealed({"scores": [asdict(s) for s in scores]}))
         return scores

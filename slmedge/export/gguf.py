@@ -31,6 +31,7 @@ from ..errors import OutputExistsError, UnsupportedArchitectureError
 from ..fsutil import disk_full, no_space, temp_name
 from ..paths import recorded_path
 from ..models.architectures import ARCHITECTURES, Architecture, GGUFLayout
+from ..progress import stage as progress_stage
 from ..models.gguf_seal import check_gguf, input_gguf_manifest, manifest_text, placeholder_manifest, seal_gguf
 from .errors import ExportError, GGUFExportError, GGUFVerificationError
 from .formats import get_format, register_format
@@ -500,16 +501,20 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
         writer.write_ti_data_to_file()
         # ... then each tensor's data as it is read and built, and freed before the next.
         placed = {}  # name -> (offset, bytes) of the code blocks written, for check_requantized
-        for item, w in _stream(plan, src, extras, skipped):
-            data = _build(item, w, src, report_tensors)
-            if item.raw is not None:
-                placed[item.name] = (gguf.GGUFWriter.ggml_pad(writer.fout[0].tell(), writer.data_alignment), data.nbytes)
-            writer.write_tensor_data(data)
-            del data, w
+        with progress_stage("export tensors", total=len(plan)) as shown:
+            for item, w in _stream(plan, src, extras, skipped):
+                data = _build(item, w, src, report_tensors)
+                if item.raw is not None:
+                    placed[item.name] = (gguf.GGUFWriter.ggml_pad(writer.fout[0].tell(), writer.data_alignment),
+                                         data.nbytes)
+                writer.write_tensor_data(data)
+                del data, w
+                shown.advance()
         writer.close()
         if stage is not None:
-            llamacpp_quantize(stage, tmp, target, n_threads,
-                              keep={name: report_tensors[name]["type"] for name in placed}, imatrix=importance)
+            with progress_stage("llama.cpp quantize"):
+                llamacpp_quantize(stage, tmp, target, n_threads,
+                                  keep={name: report_tensors[name]["type"] for name in placed}, imatrix=importance)
             check_requantized(tmp, stage, placed, report_tensors)
         seal_gguf(tmp)  # the file's digest and the manifest's, written into the manifest in place
         verification = None
@@ -517,8 +522,9 @@ def export_gguf(source, out_path, qtype: str = "auto", exact: bool = False, veri
             kind = target.name if target.name in ("f32", "f16") else ("kept" if has_codes and not coded_requant else
                                                                        "requantized_low_bit" if target.name[:2] in ("q2", "q3")
                                                                        else "requantized")
-            verification = verify_against_torch(tmp, src, TOLERANCES[kind], probe, n_threads,
-                                                tokenizer_copied=tok_info["source"].startswith("gguf:"))
+            with progress_stage("verify in llama.cpp"):
+                verification = verify_against_torch(tmp, src, TOLERANCES[kind], probe, n_threads,
+                                                    tokenizer_copied=tok_info["source"].startswith("gguf:"))
         os.replace(tmp, out)
     except Exception as exc:
         if disk_full(exc):  # the tensors' bytes (the f32 stage file too when llama.cpp re-quantizes)

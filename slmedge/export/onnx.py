@@ -39,6 +39,7 @@ from ..errors import UnsupportedArchitectureError
 from ..fsutil import atomic_directory, check_output_dir, sealed, sha256_file, write_json_atomic
 from ..paths import recorded_path
 from ..procs import native
+from ..progress import stage as progress_stage
 from .errors import ONNXExportError, ONNXVerificationError  # noqa: F401 - re-exported
 from .formats import get_format, register_format
 from .inspect import (EXPORT_MANIFEST, inspect_onnx, is_onnx_folder, onnx_model_facts, onnx_model_files, onnx_rows,
@@ -467,28 +468,38 @@ def place_codes(model, stubs: dict, layers: Mapping, linears: dict, accuracy_lev
     """The stubs (all placeable) of coded linears in ``layers`` become MatMulNBits over the artifact's
     codes, as they are; ``layers`` (``export.source.LazyLayers``) reads one linear's codes at a time,
     and they are dropped once packed. Returns the per-linear report."""
-    from .onnx_stub import nbits_replacement, replace_stubs
+    from .onnx_stub import replace_stubs
 
     report, replacements = {}, {}
-    for layer in [name for name in stubs if name in layers]:
-        res = layers[layer]
-        codes, scales, zeros = res.codes.numpy(), res.scales.numpy(), res.zeros.numpy()
-        k, n = linears[layer]
-        if codes.shape != (n, k):
-            raise ONNXExportError(f"the artifact's codes of {layer} are {codes.shape[0]}x{codes.shape[1]}, "
-                                  f"its linear is {n}x{k}; refusing to place codes")
-        grid = res.spec.describe()
-        bits, bs, b, s, zp = matmulnbits_tensors(codes, scales, zeros, res.spec)
-        del codes, scales, zeros, res
-        replacements[layer] = nbits_replacement(stubs[layer].matmul, layer, k, n, bits, bs, b, s, zp, accuracy_level)
-        report[layer] = {"type": f"MatMulNBits{bits}", "block_size": bs, "grid": grid,
-                         "zero_points": zp is not None, "codes_kept": True}
+    todo = [name for name in stubs if name in layers]
+    with progress_stage("export tensors (codes)", total=len(todo)) as shown:
+        for layer in todo:
+            report[layer] = _place_one(layers, layer, linears, stubs, replacements, accuracy_level)
+            shown.advance()
     replace_stubs(model, stubs, replacements)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         from onnx import helper
 
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return report
+
+
+def _place_one(layers, layer: str, linears: dict, stubs: dict, replacements: dict, accuracy_level: int) -> dict:
+    """One coded linear's MatMulNBits (into ``replacements``); its report row."""
+    from .onnx_stub import nbits_replacement
+
+    res = layers[layer]
+    codes, scales, zeros = res.codes.numpy(), res.scales.numpy(), res.zeros.numpy()
+    k, n = linears[layer]
+    if codes.shape != (n, k):
+        raise ONNXExportError(f"the artifact's codes of {layer} are {codes.shape[0]}x{codes.shape[1]}, "
+                              f"its linear is {n}x{k}; refusing to place codes")
+    grid = res.spec.describe()
+    bits, bs, b, s, zp = matmulnbits_tensors(codes, scales, zeros, res.spec)
+    del codes, scales, zeros, res
+    replacements[layer] = nbits_replacement(stubs[layer].matmul, layer, k, n, bits, bs, b, s, zp, accuracy_level)
+    return {"type": f"MatMulNBits{bits}", "block_size": bs, "grid": grid, "zero_points": zp is not None,
+            "codes_kept": True}
 
 
 def verify_against_torch(onnx_dir: Path, src_path: Path, tolerance: dict, probe: str | None = None,
@@ -611,7 +622,8 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
     with atomic_directory(out_dir, overwrite=overwrite, manifest=EXPORT_MANIFEST) as tmp:
         stage = tmp / ".trace"
         fp16 = key == "fp16"
-        model, stubs, linears, tied = trace_export(src.path, src.config, stage, fp16=fp16)
+        with progress_stage("trace the graph"):
+            model, stubs, linears, tied = trace_export(src.path, src.config, stage, fp16=fp16)
         unknown = sorted(set(to_place) - set(stubs))
         if unknown:
             raise ONNXExportError(f"the artifact has codes for {unknown[0]} but the ONNX graph has no such MatMul")
@@ -681,7 +693,8 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
         verification = None
         if verify:
             qact = key == "int8-dynamic" or (key in ("int4", "int8") and accuracy_level >= 2)
-            verification = verify_against_torch(tmp, src.path, TOLERANCES[kind], probe, n_threads, qact)
+            with progress_stage("verify in onnxruntime"):
+                verification = verify_against_torch(tmp, src.path, TOLERANCES[kind], probe, n_threads, qact)
         ops = _op_counts(final)
         files = sorted(p for p in tmp.iterdir() if p.is_file())
         manifest = {
