@@ -2,6 +2,7 @@
 scores and times it (here, under qemu on arm64, and over ssh)."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -153,6 +154,33 @@ def test_an_artifact_evaluated_in_genai_is_exported_for_it(og, artifacts, tmp_pa
     # the result says where its scores came from, and which genai computed them
     assert res["runtime_info"]["logits_from"].startswith("onnxruntime-genai")
     assert res["versions"]["onnxruntime_genai"] == og.__version__
+
+
+def test_a_greedy_probe_that_reaches_eos_is_checked_up_to_it(og, tiny_models, tmp_path):
+    """genai's search stops at EOS and leaves it out; onnxruntime's loop emits it. The tiny llama's EOS
+    is made a token its greedy decode of the probe picks after others (and not before), so the
+    decode reaches EOS: the check compares both up to it and keeps the folder."""
+    from slmedge.export.verify import probe_text, source_tokenizer, torch_logits
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_models("llama"), src)
+    ids = source_tokenizer(src)(probe_text(None), add_special_tokens=True)["input_ids"]
+    seq = list(ids)
+    for _ in range(ort_genai.GREEDY_TOKENS):
+        seq.append(int(torch_logits(src, seq)[-1].argmax()))
+    new = seq[len(ids):]
+    stop = max(i for i in range(1, len(new)) if new[i] not in new[:i])  # tiny llama: [288, 365, 254, 254, ...]
+    for name in ("config.json", "generation_config.json"):
+        f = src / name
+        if f.is_file():
+            cfg = json.loads(f.read_text())
+            cfg["eos_token_id"] = new[stop]
+            f.write_text(json.dumps(cfg))
+    out = tmp_path / "genai"
+    report = export_genai(src, out, "fp32")
+    greedy = report["verification"]["greedy"]
+    assert greedy["ended_at_eos"] and greedy["genai_tokens"] == greedy["onnxruntime_tokens"] == new[:stop]
+    assert greedy["torch_tokens"] == new[:stop] and (out / "genai_config.json").is_file()
 
 
 def test_a_wrong_kv_cache_layout_fails_the_check_and_leaves_nothing(og, tiny_models, tmp_path, monkeypatch):

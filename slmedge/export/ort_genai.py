@@ -16,7 +16,8 @@ and checks the folder in genai's own generation loop. The config says what genai
   positions (present is past + T long), it does not write into a buffer of the maximum length.
 
 Verification (besides the ONNX export's own): the probe's greedy tokens from genai's Generator
-equal onnxruntime's on the same file, genai's prefill logits equal onnxruntime's, and torch on the
+equal onnxruntime's on the same file (up to the first EOS: genai's search stops there and leaves
+it out, onnxruntime's loop emits it), genai's prefill logits equal onnxruntime's, and torch on the
 source's weights picks the same tokens (teacher-forced: torch's argmax after each prefix of genai's
 sequence, so torch's own greedy decoding gives the same tokens when they all agree).
 
@@ -295,6 +296,15 @@ def _ort_greedy(dec, ids: list[int], n_new: int, eos: set) -> list[int]:
     return new
 
 
+def _before_eos(tokens: list[int], eos: set) -> list[int]:
+    """A greedy decode's tokens up to its first EOS, the EOS left out: what genai's search returns
+    (it stops at EOS and does not keep it) and what onnxruntime's loop emits (it keeps it) both mean this."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[:i]
+    return tokens
+
+
 def verify_genai(folder: Path, src_path: Path, tolerance: Mapping, probe: str | None = None,
                  n_threads: int | None = None, n_new: int = GREEDY_TOKENS) -> dict:
     """genai's greedy tokens of the probe against onnxruntime's on the same file (equal) and
@@ -315,7 +325,8 @@ def verify_genai(folder: Path, src_path: Path, tolerance: Mapping, probe: str | 
     finally:
         model.close()
     dec = OrtDecoder(folder, n_threads=n_threads)
-    ort = _ort_greedy(dec, ids, n_new, model.eos)
+    ort_emitted = _ort_greedy(dec, ids, n_new, model.eos)
+    genai, ort = _before_eos(genai, model.eos), _before_eos(ort_emitted, model.eos)
     stats = compare_logits(dec.logits(ids), genai_logits)
     if genai != ort:
         raise GenaiVerificationError(f"onnxruntime-genai's greedy tokens {genai} differ from onnxruntime's {ort} on "
@@ -331,7 +342,7 @@ def verify_genai(folder: Path, src_path: Path, tolerance: Mapping, probe: str | 
             f"torch on the source picks other greedy tokens than onnxruntime-genai: {torch_tokens} vs {genai} "
             f"({agreement:.0%} < {tolerance['top1']:.0%}); nothing was written")
     return {"probe_tokens": len(ids), "new_tokens": len(genai), "genai_tokens": genai, "onnxruntime_tokens": ort,
-            "torch_tokens": torch_tokens, "onnxruntime_equal": True, "torch_equal": torch_tokens == genai,
+            "torch_tokens": torch_tokens, "ended_at_eos": len(ort) < len(ort_emitted), "onnxruntime_equal": True, "torch_equal": torch_tokens == genai,
             "torch_agreement": agreement, "prefill_mean_kl_vs_onnxruntime": stats["mean_kl"],
             "prefill_max_abs_logit_diff_vs_onnxruntime": stats["max_abs_logit_diff"],
             "tokenizer_matches_source": genai_ids == list(ids) or genai_ids == list(ids)[1:],
