@@ -151,3 +151,64 @@ def test_a_block_is_computed_in_memory_of_its_own(tmp_path):
     bf16 = torch.nn.Linear(4, 4).to(torch.bfloat16)
     _to_compute(bf16, torch.device("cpu"))
     assert bf16.weight.dtype == torch.float32
+
+
+def _mapped_resident(name: str) -> int:
+    """Bytes of ``name`` (a file) resident in this process's mappings of it (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps", encoding="utf-8", errors="replace"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields[0]) > 8 and fields[0][0] in "0123456789abcdef" and ":" not in fields[0]:
+            inside = len(fields) >= 6 and fields[-1].endswith(name)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+def test_a_blocks_source_pages_are_handed_back_once_read(tmp_path):
+    """transformers 5 memory-maps the source's safetensors file, one mapping for the whole file: the
+    pages of every block read stayed resident until the last block was done (Qwen2.5-0.5B, RTN W4:
+    peak RSS 2.80 GB, 2.08 GB with this). The engine hands a block's pages back once it is read in
+    fp32 (``_page_out``): they leave this process's resident set, and the tensors still read the
+    same values (a page touched again is read again from the file)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slmedge.compress.engine import _file_mappings, _page_out, _source_ranges
+    from slmedge.models.source import SOURCE_DTYPE, load
+
+    config = LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "m", safe_serialization=True)
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    fd = os.open(tmp_path / "m" / "model.safetensors", os.O_RDONLY)
+    os.fsync(fd)  # pages just written are dirty: the kernel reclaims a file's page only once it is on disk
+    os.close(fd)
+    model = load(str(tmp_path / "m"), dtype=SOURCE_DTYPE).model
+    block = model.model.layers[0]
+    ranges = _source_ranges(block)
+    assert _file_mappings(), "the source is memory-mapped (else there is nothing to hand back)"
+    values = {k: v.clone() for k, v in block.state_dict().items()}  # reads every page of the block
+    read = _mapped_resident("model.safetensors")
+    block_bytes = sum(n for _, n in ranges)
+    assert read >= block_bytes
+    _page_out(ranges)
+    assert read - _mapped_resident("model.safetensors") > 0.9 * block_bytes
+    assert all(torch.equal(block.state_dict()[k], v) for k, v in values.items())
+
+
+def test_handing_pages_back_changes_no_byte_of_the_artifact(tmp_path, monkeypatch):
+    from slmedge.compress import engine
+    from slmedge.compress.api import compress
+    from slmedge.compress.recipe import Recipe
+
+    src = save_tiny("llama", tmp_path / "m")
+    files = {}
+    for label in ("with", "without"):
+        if label == "without":
+            monkeypatch.setattr(engine, "_page_out", lambda ranges: None)
+        compress(str(src), Recipe(method="rtn", bits=4, group_size=32), tmp_path / label, device="cpu")
+        manifest = json.loads((tmp_path / label / "slmedge.json").read_text())
+        files[label] = {k: v["sha256"] for k, v in manifest["files"].items()}
+    assert files["with"] == files["without"]

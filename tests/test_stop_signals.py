@@ -41,17 +41,23 @@ def _runs(db: Path) -> list[tuple]:
         return con.execute("SELECT status, error FROM runs").fetchall()
 
 
-@pytest.mark.parametrize("sig,code,line", STOPS, ids=IDS)
-def test_a_stopped_evaluation_says_so_marks_its_run_failed_and_leaves_no_lock(sig, code, line, exports, tmp_path):
+def _held_evaluation(gguf: str, tmp_path: Path, *extra, setup: str = ""):
+    """``slmedge evaluate`` of ``gguf`` recording into tmp_path/db.sqlite, held in its scoring (a
+    runtime that sleeps there); (the process, the store)."""
     corpus = tmp_path / "c.txt"
     corpus.write_text(" ".join(["The quick brown fox jumps over the lazy dog."] * 40), encoding="utf-8")
     ready = tmp_path / "scoring"
     db = tmp_path / "db.sqlite"
-    args = ["evaluate", exports["llama.cpp"], "--runtime", "crashy", "--metrics", "perplexity", "--langs", "",
-            "--no-wikitext", "--corpus", str(corpus), "--seqlen", "32", "--ppl-windows", "1", "--results-db",
-            str(db), "--json", str(tmp_path / "out" / "r.json")]
-    proc = slmedge(args, tmp_path, CRASHY.format(how="slow", ready=str(ready)))
+    args = ["evaluate", gguf, "--runtime", "crashy", "--metrics", "perplexity", "--langs", "", "--no-wikitext",
+            "--corpus", str(corpus), "--seqlen", "32", "--ppl-windows", "1", "--results-db", str(db), *extra]
+    proc = slmedge(args, tmp_path, setup + CRASHY.format(how="slow", ready=str(ready)))
     wait_for(ready, proc)
+    return proc, db
+
+
+@pytest.mark.parametrize("sig,code,line", STOPS, ids=IDS)
+def test_a_stopped_evaluation_says_so_marks_its_run_failed_and_leaves_no_lock(sig, code, line, exports, tmp_path):
+    proc, db = _held_evaluation(exports["llama.cpp"], tmp_path, "--json", str(tmp_path / "out" / "r.json"))
     assert temp_names(tmp_path), "the --json output's lock is held while the evaluation runs"
     err, _ = _stop(proc, sig, 1)
     assert proc.returncode == code, err
@@ -94,16 +100,8 @@ def test_a_stopped_compression_says_so_and_removes_its_temp_folder(sig, code, li
 
 def test_a_command_started_with_sighup_ignored_keeps_it_ignored(exports, tmp_path):
     """``nohup slmedge ...``: SIGHUP stays ignored (the command goes on), SIGTERM still stops it."""
-    corpus = tmp_path / "c.txt"
-    corpus.write_text(" ".join(["The quick brown fox jumps over the lazy dog."] * 40), encoding="utf-8")
-    ready = tmp_path / "scoring"
-    db = tmp_path / "db.sqlite"
-    args = ["evaluate", exports["llama.cpp"], "--runtime", "crashy", "--metrics", "perplexity", "--langs", "",
-            "--no-wikitext", "--corpus", str(corpus), "--seqlen", "32", "--ppl-windows", "1", "--results-db",
-            str(db)]
-    setup = "import signal as _s\n_s.signal(_s.SIGHUP, _s.SIG_IGN)\n" + CRASHY.format(how="slow", ready=str(ready))
-    proc = slmedge(args, tmp_path, setup)
-    wait_for(ready, proc)
+    proc, db = _held_evaluation(exports["llama.cpp"], tmp_path,
+                                setup="import signal as _s\n_s.signal(_s.SIGHUP, _s.SIG_IGN)\n")
     proc.send_signal(signal.SIGHUP)
     time.sleep(2)
     assert proc.poll() is None and _runs(db) == [("running", None)]
