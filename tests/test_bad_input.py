@@ -318,7 +318,7 @@ CASES = [
     Case("run-ppl-windows-0", R + ["--ppl-windows", "0"] + OUT, SETTING, ["--ppl-windows", "0"]),
     Case("run-bits-9", R + ["--bits", "9"] + OUT, SETTING, ["bits", "9"]),
     Case("run-unknown-method", R + ["--method", "quantum"] + OUT, SETTING, ["unknown method 'quantum'"]),
-    Case("run-group-1024-on-64-wide", R + ["-g", "1024"] + OUT, SETTING, ["group size 1024"]),
+    Case("run-group-1024-on-64-wide", R + ["--grid", "none", "-g", "1024"] + OUT, SETTING, ["group size 1024"]),
     Case("run-output-unwritable", R + ["-o", "/proc/x"], INPUT, ["/proc/x"]),
     Case("run-output-is-a-file", R + ["-o", "{f}/existing.html"], INPUT, ["{f}/existing.html"]),
     Case("run-missing-model-makes-no-folders", ["run", "{w}/nomodel", "-o", "a/b/c"], INPUT, ["{w}/nomodel"], absent=["a"]),
@@ -526,6 +526,67 @@ BOUNDS = [
 ]
 CASES += BOUNDS
 
+# --- issue 59: options a grid or a budget makes meaningless; messages that named nothing --------------------
+GRID = C + ["--method", "rtn"]
+CONTRADICTIONS = [
+    # a grid fixes the bits, the group size and the symmetry; a budget picks the grids: given besides, refused
+    Case("compress-grid-with-bits", GRID + ["--grid", "q4_k", "--bits", "3"] + OUT, SETTING,
+         ["bits 3 contradicts grid q4_k", "4-bit", "--bits"]),
+    Case("compress-grid-with-sym", GRID + ["--grid", "q4_k", "--sym"] + OUT, SETTING,
+         ["symmetric true contradicts grid q4_k", "--sym/--asym"]),
+    Case("compress-grid-with-group-size", GRID + ["--grid", "q4_0", "--group-size", "64"] + OUT, SETTING,
+         ["group_size 64 contradicts grid q4_0", "32 weights"]),
+    Case("compress-grid-with-the-default-group-size-given", GRID + ["--grid", "q4_0", "-g", "128"] + OUT, SETTING,
+         ["group_size 128 contradicts grid q4_0"]),
+    Case("compress-grid-with-asym-given", GRID + ["--grid", "q4_0", "--asym"] + OUT, SETTING,
+         ["symmetric false contradicts grid q4_0"]),
+    Case("compress-k-grid-with-the-default-bits-given", GRID + ["--grid", "q3_k", "--bits", "4"] + OUT, SETTING,
+         ["bits 4 contradicts grid q3_k", "3-bit"]),
+    Case("compress-bpw-with-bits", GRID + ["--bpw", "4.5", "--bits", "3"] + OUT, SETTING,
+         ["bits 3 contradicts bpw 4.5"]),
+    Case("compress-bpw-with-group-size", C + ["--method", "gptq", "--bpw", "5", "-g", "32"] + OUT, SETTING,
+         ["group_size 32 contradicts bpw 5"]),
+    Case("compress-pruner-grid-with-bits", C + ["--method", "magnitude", "--sparsity", "0.5", "--grid", "q8_0",
+                                                "--bits", "4"] + OUT, SETTING, ["bits 4 contradicts grid q8_0"]),
+    Case("study-grid-with-bits", ST + ["{f}/studies/gridbits.toml"], SETTING,
+         ["gridbits.toml", "bits 3 contradicts grid q4_k"]),
+    Case("study-bpw-with-symmetric", ST + ["{f}/studies/bpwsym.toml"], SETTING,
+         ["bpwsym.toml", "symmetric true contradicts bpw 4.5"]),
+    Case("compress-bpw-grids-empty", C + ["--bpw", "4.5", "--bpw-grids", ""] + OUT, SETTING,
+         ["--bpw-grids", "names no grid"], unwords=["()", "non-empty list"]),
+    Case("compress-bpw-grids-commas", C + ["--bpw", "4.5", "--bpw-grids", ",,"] + OUT, SETTING,
+         ["--bpw-grids", "names no grid"], unwords=["()"]),
+    Case("study-bpw-grids-empty", ST + ["{f}/studies/nogrids.toml"], SETTING, ["nogrids.toml", "names no grid"],
+         unwords=["()"]),
+    # unclear messages made clear
+    Case("compress-hub-calibration-offline", C + ["--method", "gptq", "--calibration", "hf:nobody/nothing"] + OUT,
+         INPUT, ["'hf:nobody/nothing'", "no network", "HF_HUB_OFFLINE"], patch=no_network, seconds=5),
+    Case("compress-mixed-hub-calibration-offline", C + ["--method", "gptq", "--calibration",
+                                                        "c4+hf:nobody/nothing"] + OUT,
+         INPUT, ["'hf:nobody/nothing'", "no network"], patch=no_network, seconds=5),
+    Case("imatrix-hub-calibration-offline", ["imatrix", "{tiny}", "--calibration", "hf:nobody/nothing", "-o",
+                                             "{w}/m.gguf"], INPUT, ["'hf:nobody/nothing'", "no network"],
+         patch=no_network, seconds=5),
+    Case("evaluate-corpus-shorter-than-a-window", V + ["--metrics", "perplexity", "--corpus", "{f}/short.txt",
+                                                       "--seqlen", "64"], INPUT,
+         ["{f}/short.txt", "shorter than one window of 64"]),
+    Case("evaluate-corpus-shorter-than-a-window-among-others", V + ["--metrics", "memory,perplexity", "--corpus",
+                                                                    "{f}/calib.jsonl", "--corpus", "{f}/short.txt",
+                                                                    "--seqlen", "64"], INPUT, ["{f}/short.txt"]),
+    Case("evaluate-artifact-manifest-not-json", ["evaluate", "{f}/broken-manifest"] + MEM, INPUT,
+         ["{f}/broken-manifest/slmedge.json", "not valid JSON"], unwords=["JSONDecodeError"]),
+    Case("evaluate-reference-manifest-not-json", V + ["--metrics", "fidelity", "--reference", "{f}/broken-manifest"],
+         INPUT, ["{f}/broken-manifest/slmedge.json", "not valid JSON"], unwords=["JSONDecodeError"]),
+    Case("study-workdir-is-a-file", ["study", "{f}/studies/ok.toml", "--workdir", "{f}/existing.html"], INPUT,
+         ["--workdir {f}/existing.html", "is a file"]),
+    Case("study-dry-run-workdir-is-a-file", ST + ["{f}/studies/ok.toml", "--workdir", "{f}/existing.html"], INPUT,
+         ["--workdir {f}/existing.html", "is a file"]),
+    Case("study-workdir-under-a-file", ["study", "{f}/studies/ok.toml", "--workdir", "{f}/existing.html/wd"], INPUT,
+         ["{f}/existing.html", "is a file"]),
+    Case("study-file-workdir-is-a-file", ST + ["{f}/studies/wdfile.toml"], INPUT, ["the study's workdir", "is a file"]),
+]
+CASES += CONTRADICTIONS
+
 
 # --- fixtures -----------------------------------------------------------------------------------
 
@@ -642,6 +703,16 @@ def fixtures(tiny_models, tmp_path_factory, session_cache):
     (s / "ok.toml").write_text(f'name = "ok"\nmodels = ["{tiny}"]\n[evaluate]\nmetrics = ["memory"]\n'
                                '[[methods]]\nmethod = "none"\n')
     (s / "nomodel.toml").write_text('name = "x"\nmodels = ["/nonexistent/model"]\n[[methods]]\nmethod = "none"\n')
+    (s / "gridbits.toml").write_text(head + '[[methods]]\nmethod = "rtn"\ngrid = "q4_k"\nbits = 3\n')
+    (s / "bpwsym.toml").write_text(head + '[[methods]]\nmethod = "gptq"\nbpw = 4.5\nsymmetric = true\n')
+    (s / "nogrids.toml").write_text(head + '[[methods]]\nmethod = "gptq"\nbpw = 4.5\nbpw_grids = []\n')
+    (s / "wdfile.toml").write_text('workdir = "../existing.html"\n' + head + '[evaluate]\nmetrics = ["memory"]\n'
+                                   '[[methods]]\nmethod = "none"\n')
+    (f / "short.txt").write_text("A few words, far fewer than one window.\n")
+    broken = f / "broken-manifest"  # an artifact whose slmedge.json was cut short
+    shutil.copytree(art, broken)
+    text = (broken / "slmedge.json").read_text()
+    (broken / "slmedge.json").write_text(text[: len(text) // 2])
     return f
 
 

@@ -31,6 +31,8 @@ SMALL = ["--nsamples", "6", "--seqlen", "32", "--batch-size", "4"]
 
 def small_recipe(calib_file, **kw) -> Recipe:
     base = dict(group_size=32, calibration=str(calib_file), nsamples=6, seqlen=32, batch_size=4, awq_grid=4)
+    if kw.get("grid") or kw.get("bpw"):  # a grid fixes the group size: one given besides is refused
+        del base["group_size"]
     base.update(kw)
     return Recipe(**base)
 

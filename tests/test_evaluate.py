@@ -223,6 +223,7 @@ def test_results_go_to_store_and_json_and_survive_an_interrupt(tiny_models, tmp_
     assert rows[0]["runtime"] == "torch" and rows[0]["target"] == "cpu" and rows[0]["artifact_sha256"]
     saved = json.loads((tmp_path / "out.json").read_text())
     assert "c.txt" in saved["metrics"]["perplexity"] and "versions" in saved
+    assert (saved["status"], saved["error"]) == ("failed", "interrupted")  # not a result: what finished before
     store.close()
     with sqlite3.connect(db) as con:
         names = [r[0] for r in con.execute("SELECT name FROM migrations")]

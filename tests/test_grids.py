@@ -551,15 +551,15 @@ def test_budget_grid_lists_are_checked_before_any_work(tiny_models, tmp_path):
     bad = [dict(bpw_grids=("q4_k",), match="give the budget too"),
            dict(bpw=5.0, bpw_grids=("q4_k", "q9_9"), match="unknown grid 'q9_9'"),
            dict(bpw=5.0, bpw_grids=("q4_k", "q4_k"), match="names a grid twice"),
-           dict(bpw=5.0, bpw_grids=(), match="non-empty list"),
-           dict(bpw=5.0, bpw_grids=("q4_k", 4), match="non-empty list")]
+           dict(bpw=5.0, bpw_grids=(), match="names no grid"),
+           dict(bpw=5.0, bpw_grids=("q4_k", 4), match=r"must be grid names, got \['q4_k', 4\]")]
     for kw in bad:
         match = kw.pop("match")
         with pytest.raises(ConfigError, match=match):
             Recipe(**{"method": "rtn", **kw}).validate()
     out = tmp_path / "out"
     for args, match in ((["--bpw-grids", "q4_k"], "give the budget too"),
-                        (["--bpw", "5", "--bpw-grids", " , "], "non-empty list")):
+                        (["--bpw", "5", "--bpw-grids", " , "], "bpw_grids (--bpw-grids) names no grid")):
         res = runner.invoke(app, ["compress", str(tiny_models("llama")), "--method", "rtn", *args, "-o", str(out)])
         one_line_error(res, match)
         assert res.exit_code == 2 and not out.exists()

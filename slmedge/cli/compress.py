@@ -39,21 +39,27 @@ def recipe_from_options(method, bits, group_size, symmetric, sparsity, calibrati
 
 def check_compress(model, recipe: Recipe, output, *, overwrite: bool, revision=None, data_dir=None,
                    text_field: str = "text", option: str = "-o", device: str | None = None,
-                   trust_remote_code: bool = False) -> Path:
+                   trust_remote_code: bool = False, given=None) -> Path:
     """Everything a compression can be refused for before the model is loaded, in this order: the
     recipe, the model source (resolved: a missing one creates no output folder), what the model and
     the machine bound the settings by (its positions, the memory available), the calibration text
-    (read, not tokenized; Hub datasets are fetched later), the output folder. Returns it."""
+    (read, not tokenized; Hub datasets are fetched later), the output folder. Returns it. ``given``:
+    the recipe's settings the user gave (``Recipe.validate``)."""
     from ..compress.api import check_compress_bounds, default_output
     from ..compress.artifact import MANIFEST
     from ..compress.methods import METHODS
     from ..data.calibration import read_texts
 
-    recipe = recipe.validate()
+    recipe = recipe.validate(given)
     check_model(model, revision, trust_remote_code)
     check_compress_bounds(model, recipe, revision, device)
-    if METHODS[recipe.method].cls(recipe).needs_calibration and not recipe.calibration.startswith("hf:"):
-        read_texts(recipe.calibration, data_dir, text_field)
+    if METHODS[recipe.method].cls(recipe).needs_calibration:
+        if recipe.calibration.startswith("hf:"):
+            from ..data.calibration import check_hub
+
+            check_hub(recipe.calibration)  # fetched once the model is loaded; the network is asked now
+        else:
+            read_texts(recipe.calibration, data_dir, text_field)
     out = Path(output) if output is not None else default_output(model or "smollm2-135m", recipe)
     check_output_dir(out, option=option if output is not None else "the default output", overwrite=overwrite,
                      manifest=MANIFEST, inputs=[model] if model else [], what="an artifact")
@@ -74,6 +80,13 @@ def print_summary(outcome, as_json: bool = False) -> None:
         what = "GGUF blocks: codes + scales" if outcome.manifest.get("recipe", {}).get("grid") or \
             outcome.manifest.get("recipe", {}).get("bpw") else "codes + fp16 scales + zero points"
         table.add_row("bits per compressed weight", f"{s['bits_per_weight']:.3f} ({what})")
+    if len(s.get("grids") or {}) > 1:  # the grids the linears went on, when not one
+        table.add_row("grids", ", ".join(f"{g} on {u['linears']} linear{'s' * (u['linears'] != 1)} "
+                                         f"({u['bits_per_weight']:g} bits per weight)" for g, u in s["grids"].items()))
+    fb = s.get("fallback")
+    if fb:
+        table.add_row("llama.cpp's fallback", f"{'/'.join(fb['to'])} instead of {fb['grid']} on {fb['count']} of "
+                      f"{fb['of']} linears ({', '.join(fb['linears'])}): {fb['why']}")
     if s["sparsity"]:
         table.add_row("sparsity of compressed linears", f"{s['sparsity']:.2%}")
     calib = outcome.manifest.get("calibration")
@@ -155,8 +168,11 @@ def compress_command(
                                      batch_size, skip, include_head, damp, block_size, act_order, true_sequential,
                                      awq_grid, awq_clip, awq_max_tokens, awq_search_dtype, grid, bpw, importance,
                                      bpw_grids)
+        from .common import given_options
+
         output = check_compress(model, recipe, output, overwrite=overwrite, revision=revision, data_dir=data_dir,
-                                text_field=text_field, device=device, trust_remote_code=trust_remote_code)
+                                text_field=text_field, device=device, trust_remote_code=trust_remote_code,
+                                given=given_options("bits", "group_size", "symmetric"))
         with progress_bar() as progress:
             outcome = compress(model, recipe, output, data_dir=data_dir, device=device, overwrite=overwrite,
                                trust_remote_code=trust_remote_code, revision=revision, text_field=text_field,

@@ -181,7 +181,14 @@ def _evaluate(source, settings, results_db, json_out) -> None:
 def check_source(spec) -> None:
     """A model to evaluate that is not on disk must resolve (a missing path, an unreachable Hub id
     fail here, before anything is opened or recorded); what is on disk is read by its runtime."""
-    if spec is None or Path(str(spec)).expanduser().exists():
+    if spec is None:
+        return
+    path = Path(str(spec)).expanduser()
+    if path.exists():
+        from ..models.artifact_format import is_artifact, read_manifest
+
+        if is_artifact(path):
+            read_manifest(path)  # a manifest that does not parse is refused now, naming it
         return
     check_model(str(spec))
 

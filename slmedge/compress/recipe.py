@@ -24,8 +24,21 @@ DEFAULT_SKIP = ("lm_head", "*embed_tokens*")
 AWQ_SEARCH_DTYPES = ("auto", "bfloat16", "float32")
 # The settings of the calibration data, read only by a method that reads calibration data.
 CALIBRATION_SETTINGS = ("calibration", "nsamples", "seqlen", "seed", "batch_size")
-# The uniform grid's settings, read only off llama.cpp's grids.
+# The uniform grid's settings, read only off llama.cpp's grids: a grid fixes each of them (its codes'
+# bits, the weights one scale covers, whether a block has a min), and a budget picks the grids.
 UNIFORM_SETTINGS = ("bits", "group_size", "symmetric")
+UNIFORM_OPTIONS = "--bits, --group-size, --sym/--asym"
+
+
+def grid_implies(name: str) -> dict:
+    """What llama.cpp grid ``name`` fixes of the uniform grid's settings: the bits of its codes, the
+    weights one scale covers (its sub-block) and whether it is symmetric (no min per block)."""
+    g = GRIDS[name]
+    return {"bits": g.bits, "group_size": g.sub, "symmetric": not g.min}
+
+
+def _shown(value) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 @dataclass
@@ -106,8 +119,9 @@ class Recipe:
         return QuantSpec(self.bits, self.group_size, self.symmetric)
 
     def to_dict(self) -> dict:
-        """Plain JSON data (what the artifact's manifest holds); ``from_dict`` reads it back."""
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        """Plain JSON data (what the artifact's manifest holds); ``from_dict`` reads it back. On
+        llama.cpp's grids the uniform grid's settings are left out: they did not shape the codes."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if not (self.on_grid and f.name in UNIFORM_SETTINGS)}
         data["skip"] = list(self.skip)
         data["bpw_grids"] = None if self.bpw_grids is None else list(self.bpw_grids)
         data["sparsity"] = None if self.sparsity is None else self.sparsity.describe()
@@ -143,14 +157,21 @@ class Recipe:
             raise ConfigError(f"unknown recipe keys: {', '.join(unknown)}")
         return cls(**data)
 
-    def validate(self) -> "Recipe":
-        """Check every setting before any work starts; raise ConfigError with the reason."""
+    def validate(self, given=None) -> "Recipe":
+        """Check every setting before any work starts; raise ConfigError with the reason.
+
+        ``given``: the names of the settings the user gave (a CLI's options given on its command line,
+        a study file's keys); None: those whose value is not their default (or None). A uniform-grid
+        setting given beside a grid or a budget is refused unless it is what the grid fixes
+        (``check_given``); on a grid those settings are then reset to their defaults, unused."""
         self._normalize()
         info = get_method(self.method)
         if self.bits is not None:
             limits.check("bits", self.bits)
-            self.quant_spec()
+            if not self.on_grid:
+                self.quant_spec()
         self._validate_grid(info)
+        self.check_given(given)
         spars = self.sparsity
         if info.kind == "quantize":
             if spars is not None and spars.ratio > 0:
@@ -185,6 +206,32 @@ class Recipe:
             raise ConfigError(f"seed must be a non-negative integer (below 2**64), got {self.seed!r}")
         return self
 
+    def check_given(self, given=None) -> None:
+        """Refuse (ConfigError, one line naming both settings) a uniform-grid setting given beside a
+        grid whose own value differs, or beside a bits-per-weight budget (which picks each linear's
+        grid); a given value equal to the grid's is harmless. On a grid the uniform settings are then
+        reset to their defaults: what the recipe records is what shaped the codes."""
+        if not self.on_grid:
+            return
+        defaults = {f.name: f.default for f in fields(self) if f.name in UNIFORM_SETTINGS}
+        if given is None:
+            given = [n for n in UNIFORM_SETTINGS if getattr(self, n) is not None and getattr(self, n) != defaults[n]]
+        fixed = f"a grid fixes the bits, the group size and the symmetry ({UNIFORM_OPTIONS}); give one or the other"
+        for name in (n for n in UNIFORM_SETTINGS if n in set(given)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if self.grid is None:
+                raise ConfigError(f"{name} {_shown(value)} contradicts bpw {self.bpw:g}: a budget picks each "
+                                  f"linear's grid, and {fixed}")
+            own = grid_implies(self.grid)[name]
+            if value != own:
+                fact = {"bits": f"codes are {own}-bit", "group_size": f"scales cover {own} weights each",
+                        "symmetric": "blocks have no min (symmetric)" if own else "blocks have a min (asymmetric)"}[name]
+                raise ConfigError(f"{name} {_shown(value)} contradicts grid {self.grid}, whose {fact}: {fixed}")
+        for name, value in defaults.items():
+            setattr(self, name, value)
+
     def _validate_grid(self, info) -> None:
         if self.grid is not None:
             if not isinstance(self.grid, str) or self.grid not in GRIDS:
@@ -196,8 +243,12 @@ class Recipe:
             limits.check("bpw", self.bpw)  # the range of llama.cpp's grids (tests/test_grids.py holds them equal)
         if self.bpw_grids is not None:
             names = self.bpw_grids
-            if not isinstance(names, tuple) or not names or not all(isinstance(n, str) for n in names):
-                raise ConfigError(f"bpw_grids must be a non-empty list of grid names, got {names!r}")
+            if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+                shown = list(names) if isinstance(names, tuple) else names
+                raise ConfigError(f"bpw_grids (--bpw-grids) must be grid names, got {shown!r}")
+            if not names:
+                raise ConfigError(f"bpw_grids (--bpw-grids) names no grid: give some of {', '.join(GRIDS)}, "
+                                  "comma-separated")
             unknown = [n for n in names if n not in GRIDS]
             if unknown:
                 raise ConfigError(f"bpw_grids: unknown grid {unknown[0]!r}; choose among: {', '.join(GRIDS)}")

@@ -154,7 +154,19 @@ def _file_texts(path: Path, text_field: str) -> list[str]:
     return [line for line in raw.splitlines() if line.strip()]
 
 
+def check_hub(spec: str) -> None:
+    """Refuse at once (DataError) a spec with a Hub dataset when the Hub cannot be reached and
+    HF_HUB_OFFLINE is not set: one line, instead of the datasets library's retries (tens of seconds)."""
+    from ..models.source import hub_offline_setting, hub_reachable
+
+    for part in spec_parts(spec):
+        if part.startswith("hf:") and not hub_offline_setting() and not hub_reachable():
+            raise DataError(f"cannot reach the Hugging Face Hub to fetch calibration data '{part}' (no network); "
+                            "give a .txt/.jsonl file, or set HF_HUB_OFFLINE=1 to use a cached copy")
+
+
 def _hub_texts(spec: str, text_field: str) -> tuple[list[str], dict]:
+    check_hub(f"hf:{spec}")
     try:
         import datasets
     except ImportError as exc:
@@ -209,10 +221,11 @@ def load_calibration(
     text_len = seqlen - len(lead)  # the text tokens of a window
     parts = spec_parts(spec)
     for part, group in zip(parts, streams):
-        for ids in group:
+        for k, ids in enumerate(group):
             if len(ids) < text_len + 1:
                 what = f"calibration data '{spec}'" if len(streams) == 1 and len(group) == 1 else (
-                    f"a source of calibration data '{part}'" if len(group) > 1 else f"calibration data '{part}'")
+                    f"calibration data '{part}'" if len(group) == 1 else  # a language of multilingual: named
+                    f"the {Path(calibration_sources(part, data)[1][k]).stem} text of calibration data '{part}'")
                 raise DataError(f"{what} has {len(ids)} tokens; one sample needs {text_len}")
     rng = random.Random(seed)
     taken = [0] * len(streams)  # windows each part has had: the parts, and a part's sources, take turns

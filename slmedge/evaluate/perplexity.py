@@ -171,6 +171,16 @@ def runtime_perplexity(runtime, encoder, text: str, seqlen: int = 512, stride: i
     return result, kept
 
 
+def check_corpus_length(encoder, text: str, seqlen: int, name: str) -> None:
+    """Refuse (DataError naming the corpus ``name``) a text shorter than one window of ``seqlen`` tokens
+    in ``encoder``'s tokenizer (a lead BOS counted), before anything is measured."""
+    lead = len(lead_tokens(encoder))
+    ids, _ = _encode_enough(encoder, text, seqlen, None, 1, with_bytes=False)
+    if len(ids) < seqlen - lead:
+        raise DataError(f"the corpus {name} has {len(ids)} tokens in this model's tokenizer, shorter than one "
+                        f"window of {seqlen - lead}: give a longer text, or --seqlen {len(ids) + lead} or less")
+
+
 def _encode_enough(encoder, text: str, seqlen: int, stride: int | None, max_windows: int | None,
                    with_bytes: bool = True):
     """Token ids (and byte ends; ``with_bytes=False``: None) of as much of ``text`` as ``max_windows``

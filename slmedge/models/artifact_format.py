@@ -61,17 +61,26 @@ def is_compact(path, manifest: dict | None = None) -> bool:
 def read_manifest(path) -> dict:
     """The parsed manifest of the artifact at ``path``, unchecked.
 
-    Raises OSError when it cannot be read and ValueError when it is not JSON (callers that only
-    peek at a manifest catch those); ``open_manifest`` is the checked reader. Manifests written by
+    Raises OSError when it cannot be read and ValueError (``ManifestNotJSON``) when it is not JSON
+    (callers that only peek at a manifest catch those); ``open_manifest`` is the checked reader. Manifests written by
     earlier versions read as today's: their recipe's empty ``extra`` table (a setting that was
     never read, since removed) is dropped, a non-empty one is kept so that building a Recipe from
     it fails loudly.
     """
-    return _parsed(manifest_path(path).read_bytes())
+    mpath = manifest_path(path)
+    return _parsed(mpath.read_bytes(), mpath)
 
 
-def _parsed(raw: bytes):
-    manifest = json.loads(raw.decode("utf-8"))
+class ManifestNotJSON(ArtifactError, ValueError):
+    """An artifact's manifest that does not parse: an ArtifactError naming the file (one line, exit 1)
+    wherever it is read, and still the ValueError a caller that only peeks at a manifest catches."""
+
+
+def _parsed(raw: bytes, mpath: Path):
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except ValueError as exc:
+        raise ManifestNotJSON(f"{mpath} is not valid JSON: the artifact is corrupt") from exc
     recipe = manifest.get("recipe") if isinstance(manifest, dict) else None
     if isinstance(recipe, dict) and recipe.get("extra", None) == {}:
         del recipe["extra"]
@@ -98,10 +107,7 @@ def open_manifest_bytes(path, verify: bool = True) -> tuple[dict, str]:
     if not mpath.is_file():
         raise ArtifactError(f"{path} is incomplete: it has no {MANIFEST} (was the run that wrote it interrupted?)")
     raw = mpath.read_bytes()
-    try:
-        manifest = _parsed(raw)
-    except ValueError as exc:
-        raise ArtifactError(f"{mpath} is not valid JSON: the artifact is corrupt") from exc
+    manifest = _parsed(raw, mpath)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{mpath} is not an slmedge artifact manifest")
     if format_version(manifest) > FORMAT_VERSION:

@@ -292,7 +292,7 @@ def _check_types(table: dict, kinds: dict, file, lines, path: tuple) -> None:
 def load_study(path) -> Study:
     """Parse and validate a study file; every error names the file and line."""
     from ..compress.methods import METHODS
-    from ..compress.recipe import Recipe
+    from ..compress.recipe import UNIFORM_SETTINGS, Recipe
     from ..evaluate.api import EvalSettings
     from ..export.api import FORMATS, get_format
     from ..targets.profiles import get_profile
@@ -375,10 +375,12 @@ def load_study(path) -> Study:
             defaults = {f.name: f.default for f in dataclasses.fields(Recipe)}
             rec.update({f: calib.get(key, defaults[f]) for key, f in CALIBRATION_FIELDS.items()})
             try:
-                Recipe(method=name, **rec).validate()
+                recipe = Recipe(method=name, **rec).validate(given=settings)
             except (ConfigError, TypeError, ValueError) as exc:
                 _fail(file, lines, where, f"[[methods]] {name}: {exc}")
-            settings = rec
+            # On a grid the uniform grid's settings shape nothing (one given equal to the grid's is
+            # harmless): left out, so that the job, its label and its record are the grid's alone.
+            settings = {k: v for k, v in rec.items() if not (recipe.on_grid and k in UNIFORM_SETTINGS)}
         if "label" in m:
             _plain(file, lines, (*where, "label"), m["label"], "the label")
         label = m.get("label") or _auto_label(name, settings)
