@@ -113,3 +113,19 @@ def test_a_path_is_recorded_relative_or_by_name(tmp_path, monkeypatch):
     assert resolve_recorded(ident["path"], home / "out" / "art") == home / "out" / "art" / "../../models/m"
     assert resolve_recorded(str(home / "models" / "m"), tmp_path) == home / "models" / "m"  # earlier versions'
     assert resolve_recorded("../nowhere", home) is None
+
+
+def test_a_model_evaluated_in_llamacpp_keeps_its_default_reference(tmp_path, monkeypatch, session_cache):
+    """The cached export of a model under HOME, in a cache outside it, names its source by name alone (a
+    relative path would spell the home's name); the evaluation still knows the model it exported."""
+    require_import("llama_cpp")
+    from slmedge.evaluate.subject import open_subject
+
+    home = tmp_path / MARK
+    monkeypatch.setenv("HOME", str(home))
+    model = save_tiny("llama", home / "models" / "tiny")
+    sub = open_subject(str(model), runtime="llama.cpp")
+    try:
+        assert Path(sub.base_spec) == model
+    finally:
+        sub.close()
