@@ -113,6 +113,10 @@ def test_a_path_is_recorded_relative_or_by_name(tmp_path, monkeypatch):
     assert resolve_recorded(ident["path"], home / "out" / "art") == home / "out" / "art" / "../../models/m"
     assert resolve_recorded(str(home / "models" / "m"), tmp_path) == home / "models" / "m"  # earlier versions'
     assert resolve_recorded("../nowhere", home) is None
+    # an artifact compressed again: its source artifact's base, recorded relative to that artifact, re-anchored
+    again = shareable_source({"kind": "artifact", "path": str(home / "out" / "art"), "base_model": ident},
+                             home / "out" / "more" / "art2")
+    assert again["path"] == "../../art" and again["base_model"]["path"] == "../../../models/m"
 
 
 def test_a_model_evaluated_in_llamacpp_keeps_its_default_reference(tmp_path, monkeypatch, session_cache):
