@@ -66,6 +66,8 @@ def test_the_site_builds_with_strict_and_has_every_page(tmp_path):
         assert f"<code>{name}</code>" in api, name
     results = (site / "results" / "index.html").read_text(encoding="utf-8")
     assert results.count("<img") >= 3 and "Caveats" in results
+    details = results[results.index("<details"):]  # the full tables a click away, rendered as tables
+    assert "<table>" in details[:details.index("</details>")]
 
 
 def test_a_broken_link_or_anchor_fails_the_build(tmp_path):
@@ -223,3 +225,143 @@ def test_the_command_lines_shown_that_read_nothing_of_yours_run(monkeypatch):
             assert res.exit_code == 0, (f"{page.relative_to(REPO)}:{line}", command, res.output[-1000:])
             ran.add(path)
     assert {"methods", "targets list", "data"} <= ran, ran
+
+
+# --- the results page as a reader sees it ------------------------------------------------------------
+
+
+def _docs_results():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_results", REPO / "scripts" / "docs_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _front_rows(dr, model="smollm2-135m"):
+    from slmedge.evaluate.store import ResultsStore
+    from slmedge.study import report
+
+    meta = json.loads((DOCS / "results" / "store.json").read_text(encoding="utf-8"))
+    store = ResultsStore(DOCS / "results" / "store.sqlite", readonly=True)
+    try:
+        rows = [r for r in report.load_rows(store, meta.get("study")) if r["labels"].get("model") == model]
+        dr.attach_files(store, rows, meta)
+    finally:
+        store.close()
+    return rows
+
+
+def test_the_front_picture_puts_each_row_at_its_gguf_files_size_with_labels_apart():
+    """x is the GGUF file a row exports to: a pruned model's is the base's f16 file, a W4 row's its
+    4-bit file; no two labels overlap; the 75%-pruned rows are drawn at the top with their value, not
+    stretching the axis; the title names the model and the target."""
+    dr = _docs_results()
+    rows = _front_rows(dr)
+    by = {dr.short_name(r): r for r in rows}
+    base = by["base"]["gguf"]
+    assert base["type"] == "f16" and base["bytes"] > 200e6
+    for name in ("Wanda 50%", "SparseGPT 2:4", "Wanda 75%"):
+        assert by[name]["gguf"] == base, name
+    assert by["AWQ W4 g64"]["gguf"]["type"] == "q4_1" and by["AWQ W4 g64"]["gguf"]["kept"]
+    assert by["AWQ W4 g64"]["gguf"]["bytes"] < base["bytes"] / 2.5
+    fig = dr.front_figure(rows, "SmolLM2-135M on cpu")
+    ax = fig.axes[0]
+    labels = {t.get_text().rsplit(": ", 1)[0]: t for t in ax.texts if hasattr(t, "xy")}  # annotations: one per row
+    assert sorted(labels) == sorted(by) and not dr.label_overlaps(fig), dr.label_overlaps(fig)
+    top = ax.get_ylim()[1]
+    on_scale = max(dr._ppl(r) for r in rows if "75%" not in dr.short_name(r))
+    assert top < 3 * on_scale < min(dr._ppl(by[n]) for n in ("Wanda 75%", "SparseGPT 75%"))
+    for name in ("Wanda 75%", "SparseGPT 75%"):  # drawn at the top edge, their value written
+        assert labels[name].xy[1] > top / 1.2 and dr._num(dr._ppl(by[name])) in labels[name].get_text()
+    assert labels["base"].xy == (base["bytes"] / 1e6, dr._ppl(by["base"]))
+    assert any("off scale" in t.get_text() for t in ax.texts)
+
+
+def test_off_scale_is_the_top_of_a_wide_jump_and_labels_spread_apart():
+    dr = _docs_results()
+    assert dr.off_scale([15.8, 19.8, 46.1, 145, 2635, 8149]) == 145
+    assert dr.off_scale([15.8, 19.8, 46.1, 145]) is None
+    assert dr._spread([100, 101, 102], 10, 0, 1000) == [100, 110, 120]
+    assert dr._spread([995, 996], 10, 0, 1000) == [985, 995]
+
+
+def _md_tables(text: str) -> list[tuple[bool, list[list[str]]]]:
+    """(inside a <details> block, rows of cells) of each Markdown table of a page."""
+    out, rows, inside = [], [], False
+    for line in [*text.splitlines(), ""]:
+        inside = inside or line.startswith("<details")
+        if line.startswith("|"):
+            rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+            continue
+        if rows:
+            out.append((inside, [r for r in rows if not set("".join(r)) <= set(":-")]))
+            rows = []
+        inside = inside and not line.startswith("</details>")
+    return out
+
+
+def test_the_results_page_reads_as_a_report():
+    """Picture first, findings in sentences, tables that fit the content column at 1280 px (at most
+    nine columns, short row labels without the model or target, no column of nothing but '–'), the
+    full tables a click away in a details block, and the Gemma caveat stated once at its table."""
+    text = (DOCS / "results.md").read_text(encoding="utf-8")
+    body = text.split("\n## ", 1)
+    assert body[0].index("![") < len(body[0]) and "|" not in body[0], "the first screen is the picture, not tables"
+    assert "-> holds" not in text and "kl_mean" not in text
+    tables = _md_tables(text)
+    shown = [rows for inside, rows in tables if not inside]
+    assert len(shown) >= 4 and any(inside for inside, _ in tables)
+    for inside, rows in tables:
+        head, *data = rows
+        for i, col in enumerate(head):
+            assert any(r[i] not in ("–", "") for r in data if len(r) > i), f"column '{col}' holds nothing"
+        for r in data:
+            assert "smollm2" not in r[0].lower() and "gemma" not in r[0].lower() and " · cpu" not in r[0], r[0]
+        if not inside:
+            assert len(head) <= 9 and max(len(r[0]) for r in data) <= 24, head
+    assert text.count("without the BOS") + text.count("without BOS") >= 1
+    assert text.count("> **Caveat.**") == 1
+
+
+# --- example output -----------------------------------------------------------------------------------
+
+
+def _section(text: str, heading: str) -> str:
+    return text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_readmes_example_output_is_what_its_commands_print():
+    """The README's output of the three core commands is an excerpt of the full outputs on Getting
+    started (one run, shown once), and what the commands as shown print: the calibration row is the
+    compress command's settings (its defaults where it gives none), the paths are its -o values, the
+    corpora are its languages."""
+    readme = _section((REPO / "README.md").read_text(encoding="utf-8"), "The three core commands")
+    guide = _section((DOCS / "getting-started.md").read_text(encoding="utf-8"), "The three core commands")
+    shown = re.findall(r"^(slmedge [^\n#]+?)\s*$", re.search(r"```bash\n(.*?)```", readme, re.S).group(1), re.M)
+    excerpt = [ln for ln in re.search(r"```text\n(.*?)```", readme, re.S).group(1).splitlines() if ln.strip()]
+    full = {cmd: out.splitlines() for cmd, out in re.findall(r"```bash\n(slmedge [^\n]+)\n```\s*```text\n(.*?)```",
+                                                             guide, re.S)}
+    assert len(shown) == 3 and set(shown) <= set(full), (shown, list(full))
+    every = {ln for out in full.values() for ln in out}
+    assert excerpt and [ln for ln in excerpt if ln not in every] == [], "README output lines not in Getting started"
+    tree = commands()
+
+    def params(cmd):
+        words = cmd.split()[1:]
+        return tree[words[0]].click_command.make_context(words[0], words[1:]).params
+
+    compress, export, evaluate = (next(c for c in shown if c.startswith(f"slmedge {w} ")) for w in
+                                  ("compress", "export", "evaluate"))
+    p = params(compress)
+    calib = f"{p['calibration']}: {p['nsamples']} x {p['seqlen']} tokens, seed {p['seed']}"
+    for out in (excerpt, full[compress]):
+        row = next(ln for ln in out if "│ calibration " in ln)
+        assert calib in row, (row, calib)
+    assert any(f"│ {p['output']} " in ln for ln in full[compress] if "│ artifact " in ln)
+    assert any(f"│ {params(export)['output']} " in ln for ln in full[export] if "│ output " in ln)
+    e = params(evaluate)
+    corpora = [ln.split("│")[1].strip() for ln in full[evaluate]  # the perplexity table: corpus, ppl, bits/byte, tokens
+               if ln.startswith("│") and len(ln.split("│")) == 6 and "±" in ln.split("│")[2]]
+    assert corpora == ([] if e["no_wikitext"] else ["wikitext2"]) + e["langs"].split(","), corpora
