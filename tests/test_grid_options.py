@@ -101,8 +101,8 @@ def test_a_grid_s_fallback_is_announced(tiny_models, tmp_path):
     assert res.exit_code == 0, res.output
     text = " ".join(re.sub("[│┌┐└┘─┬┴├┤┼]", " ", res.output).split())  # the table's words, unwrapped
     assert "rtn grid q4_k -> q5_0 on every linear (llama.cpp's fallback)" in text, text
-    assert "q5_0 instead of q4_k on 14 of 14 linears" in text and "not divisible by 256" in text, text
-    assert "model.layers.*.mlp.down_proj" in text and "5.500" in text, text
+    assert "q5_0 (5.5 bits per weight) instead of q4_k on 14 of 14 linears" in text, text
+    assert "model.layers.*.mlp.down_proj" in text and "not divisible by 256" in text, text
     summary = json.loads((out / "slmedge.json").read_text())["summary"]
     assert summary["grids"] == {"q5_0": {"linears": 14, "bits_per_weight": 5.5}}
     assert summary["fallback"]["to"] == ["q5_0"] and summary["fallback"]["count"] == 14

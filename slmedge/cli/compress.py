@@ -85,8 +85,9 @@ def print_summary(outcome, as_json: bool = False) -> None:
                                          f"({u['bits_per_weight']:g} bits per weight)" for g, u in s["grids"].items()))
     fb = s.get("fallback")
     if fb:
-        table.add_row("llama.cpp's fallback", f"{'/'.join(fb['to'])} instead of {fb['grid']} on {fb['count']} of "
-                      f"{fb['of']} linears ({', '.join(fb['linears'])}): {fb['why']}")
+        to = "/".join(f"{t} ({s['grids'][t]['bits_per_weight']:g} bits per weight)" for t in fb["to"])
+        table.add_row("llama.cpp's fallback", f"{to} instead of {fb['grid']} on {fb['count']} of {fb['of']} linears "
+                      f"({', '.join(fb['linears'])}): {fb['why']}")
     if s["sparsity"]:
         table.add_row("sparsity of compressed linears", f"{s['sparsity']:.2%}")
     calib = outcome.manifest.get("calibration")
