@@ -91,6 +91,9 @@ class Reporter:
         self._stages: dict[str, Stage] = {}
         self._prefix: list[str] = []
         self._progress = None
+        # When the last stage ended or began: where a stage first heard of at its first item done
+        # (the library's callback reports items as they finish) began its work.
+        self._mark = time.monotonic()
         if mode == "bar":
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -152,7 +155,12 @@ class Reporter:
         with self._lock:
             st = self._stages.get(full)
             if st is None or st.finished or done < st.done:
+                began = self._mark
                 st = self.stage(name, total)
+                if done > 0:  # its first items were done before this call: its work began at the mark
+                    st.started = st.last_line = began
+                    if st.task is not None:  # the bar's clock too (rich's monotonic clock, as ours)
+                        self._progress._tasks[st.task].start_time = began
             st.update(done, total)
 
     # --- inside -----------------------------------------------------------------------------------
@@ -163,6 +171,7 @@ class Reporter:
     def _open(self, full: str, total: int | None, shown: bool = True) -> Stage:
         st = Stage(self, full, total)
         with self._lock:
+            self._mark = st.started
             self._stages[full] = st
             if self._progress is not None and shown:
                 indent = "  " * len(self._prefix)
@@ -195,6 +204,7 @@ class Reporter:
 
     def _finished(self, st: Stage, quiet: bool = False) -> None:
         with self._lock:
+            self._mark = time.monotonic()
             if self._stages.get(st.name) is st:
                 del self._stages[st.name]
             if self._progress is not None and st.task is not None and not quiet:

@@ -64,6 +64,20 @@ def test_off_a_terminal_a_long_stage_says_where_it_is_and_how_long_is_left():
     assert lines[-1].startswith("perplexity en 4/4 in "), lines
 
 
+def test_a_stage_first_heard_of_at_its_first_item_is_timed_from_the_end_of_the_last(monkeypatch):
+    """The library's callback reports an item when it is done: a one-window perplexity says 1/1 at
+    its end, and its time is the time since the stage before it ended."""
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    out = io.StringIO()
+    with progress.reporter(stream=out) as rep:
+        rep("perplexity en", 1, 1)
+        now[0] += 3.5  # the next window is scored
+        rep("perplexity de", 1, 1)
+    lines = _lines(out)
+    assert lines == ["perplexity en 1/1 in 0.0s", "perplexity de 1/1 in 3.5s"], lines
+
+
 def test_a_failed_stage_leaves_no_done_line():
     out = io.StringIO()
     with pytest.raises(RuntimeError):
