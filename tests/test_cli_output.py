@@ -80,8 +80,9 @@ def test_a_study_worker_is_as_quiet_as_the_command_and_as_loud_under_debug(monke
 # --- 80 columns --------------------------------------------------------------------------------------
 
 
-def _slmedge(*args, cwd):
-    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+def _slmedge(*args, cwd, progress="off"):
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "SLMEDGE_PROGRESS": progress}
     env.pop("SLMEDGE_DEBUG", None)
     proc = subprocess.run([sys.executable, "-m", "slmedge", *map(str, args)], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=600)
@@ -132,10 +133,16 @@ def test_every_table_fits_an_80_column_terminal(tiny_models, tmp_path):
 
 def test_the_main_job_fits_an_80_column_terminal(tiny_models, tmp_path):
     code, text = _slmedge("run", tiny_models("llama"), "--nsamples", "2", "--seqlen", "16", "--limit", "1",
-                          "--results-db", tmp_path / "r.sqlite", "-o", tmp_path / "awq", cwd=tmp_path)
+                          "--results-db", tmp_path / "r.sqlite", "-o", tmp_path / "main", cwd=tmp_path,
+                          progress="lines")  # as in a log: one line per stage
     assert code == 0, text
     _fits(text, "run")
-    assert "llama: base vs awq W4 g32 asym as GGUF" in text  # the model's own name, not SmolLM2's
+    assert "llama: base vs gptq grid iq4_xs as GGUF" in text  # the model's own name, not SmolLM2's
+    # where its outputs go, said at the start and at the end; its stages, one line each off a terminal
+    assert text.count(f"{tmp_path}/:") == 2 and "main.gguf" in text, text
+    for stage in ("compress: block 2/2 in ", "export: export tensors ", "evaluate compressed (llama.cpp): "
+                  "perplexity wikitext2 1/1 in "):
+        assert stage in text, (stage, text)
     for words in CHATTER:
         assert words not in text
 

@@ -104,7 +104,8 @@ def print_summary(outcome, as_json: bool = False) -> None:
 METHOD_HELP = "Method: rtn, gptq, awq (quantize); magnitude, wanda, sparsegpt (prune). slmedge methods says what each does."
 GRID_HELP = ("Quantize onto one of llama.cpp's grids instead of the uniform one (--bits/--group-size/--sym): "
              + ", ".join(GRIDS) + ". Its codes are kept exactly in the GGUF; rows its super-blocks do not divide "
-             "take llama.cpp's own fallback type.")
+             "take llama.cpp's own fallback type. For llama.cpp, --method gptq --grid iq4_xs measured best at its "
+             "size (docs/benchmarks.md); for ONNX and compressed-tensors leave it out (the uniform grid).")
 
 
 @bounded(bits="bits", group_size="group_size", nsamples="nsamples", seqlen="seqlen", seed="seed",

@@ -1,9 +1,10 @@
 """slmedge run: the main job on the embedded default, no arguments needed.
 
-Compress SmolLM2-135M with AWQ 4-bit, export the codes to GGUF (Q4_1 blocks, calibration kept),
-evaluate the base model (torch) and the compressed GGUF (llama.cpp) on this machine — a short
-perplexity in the seed study's seven languages, a few hundred task items, fidelity, memory,
-latency — and print them side by side. Artifact and export are reused when they match.
+Compress SmolLM2-135M with GPTQ onto llama.cpp's IQ4_XS grid (the file that measured best at its
+size, docs/benchmarks.md), export the codes to GGUF as they are, evaluate the base model (torch)
+and the compressed GGUF (llama.cpp) on this machine — a short perplexity in the seed study's seven
+languages, a few hundred task items, fidelity, memory, latency — and print them side by side.
+Artifact and export are reused when they match. Progress shows on stderr (slmedge.progress).
 """
 
 from __future__ import annotations
@@ -24,15 +25,21 @@ if TYPE_CHECKING:  # torch: imported when the command runs, not for slmedge --he
     from ..compress.recipe import Recipe
 
 MAIN_TASKS = ("arc_easy", "piqa", "winogrande", "hellaswag", "xcopa_th", "xcopa_zh")
+# The main job's file: GPTQ on IQ4_XS measured lowest in mean KL of every 4-bit GGUF at its size,
+# llama.cpp's own IQ4_XS, Q4_0 and Q3_K_M included (docs/benchmarks.md, "GGUF against llama-imatrix").
+MAIN_METHOD, MAIN_GRID = "gptq", "iq4_xs"
+WHY_MAIN = "GPTQ on the IQ4_XS grid: the file that measured best at this size,\nsee docs/benchmarks.md"
 
 
 @bounded(bits="bits", group_size="group_size", nsamples="nsamples", seqlen="seqlen", windows="ppl_windows",
          limit="limit")
 def run_command(
     model: Optional[str] = typer.Argument(None, help="Model source (default: the embedded smollm2-135m)."),
-    method: str = typer.Option("awq", "--method", "-m", help="Compression method."),
-    bits: int = typer.Option(4, "--bits", "-b", help="Bit width."),
-    group_size: int = typer.Option(32, "--group-size", "-g", help="Group size (32: one scale per GGUF block, so Q4_1 holds the codes at no extra size)."),
+    method: str = typer.Option(MAIN_METHOD, "--method", "-m", help="Compression method."),
+    grid: str = typer.Option(MAIN_GRID, "--grid", help="llama.cpp grid the codes go on (kept as they are in the GGUF); "
+                             "'none': the uniform grid of --bits and --group-size (4-bit, group 32: Q4_1 blocks)."),
+    bits: int = typer.Option(4, "--bits", "-b", help="Bit width, with --grid none."),
+    group_size: int = typer.Option(32, "--group-size", "-g", help="Group size, with --grid none (32: one scale per GGUF block, so Q4_1 holds the codes at no extra size)."),
     nsamples: int = typer.Option(32, "--nsamples", help="Calibration samples (C4 and the multilingual text, half each)."),
     seqlen: int = typer.Option(512, "--seqlen", help="Tokens per calibration sample and per perplexity window."),
     windows: int = typer.Option(1, "--ppl-windows", help="Perplexity windows per language."),
@@ -44,10 +51,14 @@ def run_command(
 ):
     """The main job: compress, export to GGUF, evaluate base and compressed side by side.
 
+    Writes into slmedge-out/: the compressed artifact (a folder) and its GGUF file beside it; the
+    results go to the results store.
+
     \b
     Examples:
       slmedge run
-      slmedge run --method gptq --limit 100 --ppl-windows 4
+      slmedge run --limit 100 --ppl-windows 4
+      slmedge run --method awq --grid none    # AWQ W4 g32, uniform grid: Q4_1
     """
     from ..compress.api import compress, default_output
     from ..compress.recipe import Recipe
@@ -55,6 +66,7 @@ def run_command(
     from ..evaluate.store import ResultsStore
     from ..export.formats import get_format
     from ..export.gguf import export_gguf
+    from .common import given_options
     from .compress import check_compress
     from .evaluate import check_evaluation, check_store_location
 
@@ -62,9 +74,12 @@ def run_command(
     supervised("run")  # a crash in llama.cpp: one line naming it and the file (common.supervised)
     with errors_to_exit():
         # Every setting and location first: nothing is compressed, exported or recorded before all pass.
-        # Asymmetric codes: GGUF Q4_1 holds them exactly (scale and offset per 32-value block).
+        # On the uniform grid (--grid none) asymmetric codes: GGUF Q4_1 holds them exactly (scale and
+        # offset per 32-value block).
+        on_grid = grid.strip().lower() not in ("none", "")
         recipe = Recipe(method=method, bits=bits, group_size=group_size, symmetric=False, nsamples=nsamples,
-                        seqlen=seqlen).validate()
+                        seqlen=seqlen, grid=grid.strip().lower() if on_grid else None)
+        recipe.validate(given_options("bits", "group_size"))  # their defaults are the uniform grid's, unused on a grid
         settings = EvalSettings(seqlen=seqlen, ppl_windows=windows, tasks=MAIN_TASKS, limit=limit, pp=256,
                                 tg=64, repeats=2, fidelity_windows=1, data_dir=str(data_dir) if data_dir else None)
         check_evaluation(model, settings)
@@ -79,10 +94,15 @@ def run_command(
                           ours=lambda p: _gguf_ours(gguf, p), what=gguf.what, example=gguf.output_name("model"),
                           ours_noun=f"a {gguf.label} file")
         store = ResultsStore(results_db) if check_store_location(results_db) else None  # a foreign file: refused now
+        if (recipe.method, recipe.grid) == (MAIN_METHOD, MAIN_GRID):
+            console.print(WHY_MAIN, markup=False, highlight=False)
+        _print_outputs(out, gguf_path, results_db, "will go to", highlight=False)
         try:
             with progress_bar() as progress:
                 if artifact is None:
-                    outcome = compress(model, recipe, out, data_dir=data_dir, overwrite=overwrite, progress=progress)
+                    with _section(progress, "compress"):
+                        outcome = compress(model, recipe, out, data_dir=data_dir, overwrite=overwrite,
+                                           progress=progress)
                     from .compress import print_summary
 
                     print_summary(outcome)
@@ -90,7 +110,8 @@ def run_command(
                 else:
                     console.print(f"reusing {out} (same recipe, checksums verified); --overwrite to recompress")
                 if not _fresh(gguf_path, out):
-                    report = export_gguf(out, gguf_path, "auto", overwrite=True)
+                    with _section(progress, "export"):
+                        report = export_gguf(out, gguf_path, "auto", overwrite=True)
                     v = report["verification"]
                     console.print(f"exported {gguf_path} ({report['qtype']}, codes kept in {report['codes_kept']} "
                                   f"tensors; llama.cpp vs torch: top-1 {v['top1_agreement']:.1%}, "
@@ -100,18 +121,38 @@ def run_command(
                 for ev_spec, label in ((spec, "base (torch)"), (str(gguf_path), "compressed (llama.cpp)")):
                     # The base has no reference; the compressed GGUF is compared with the base.
                     metrics = tuple(m for m in settings.metrics if m != "fidelity" or not label.startswith("base"))
-                    ev = Evaluation(ev_spec, dataclasses.replace(settings, metrics=metrics), store, None, progress)
-                    if not label.startswith("base"):
-                        ev.sub.base_spec = ev.sub.base_spec or spec
-                    try:
-                        rows.append((label, ev.run()))
-                    finally:
-                        ev.close()
+                    with _section(progress, f"evaluate {label}"):
+                        ev = Evaluation(ev_spec, dataclasses.replace(settings, metrics=metrics), store, None,
+                                        progress)
+                        if not label.startswith("base"):
+                            ev.sub.base_spec = ev.sub.base_spec or spec
+                        try:
+                            rows.append((label, ev.run()))
+                        finally:
+                            ev.close()
         finally:
             if store is not None:
                 store.close()
         _print_side_by_side(rows, recipe, Path(spec).name)
-        console.print(f"artifact: {out}\nGGUF: {gguf_path}\nresults store: {store.path}")
+        _print_outputs(out, gguf_path, store.path, "are in")
+
+
+def _section(progress, label: str):
+    """A named part of the job on the progress display (nothing where it is off)."""
+    import contextlib
+
+    return progress.section(label) if progress is not None else contextlib.nullcontext()
+
+
+def _print_outputs(artifact: Path, gguf_path: Path, store, verb: str, highlight: bool = True) -> None:
+    """Where the main job's outputs go (at the start) or are (at the end)."""
+    from ..evaluate.store import default_path
+
+    store = Path(store).expanduser() if store else default_path()
+    console.print(f"outputs {verb} {artifact.parent}/:\n"
+                  f"  {artifact.name}/: the compressed artifact (codes, weights, tokenizer)\n"
+                  f"  {gguf_path.name}: the GGUF file (llama.cpp loads it)\n"
+                  f"results store: {store} (slmedge report reads it)", markup=False, highlight=highlight)
 
 
 def _gguf_ours(fmt, path: Path) -> bool:
