@@ -59,8 +59,9 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "kept": {"mean_kl": 0.02, "top1": 0.85},
     "requantized": {"mean_kl": 0.5, "top1": 0.3},
     # codes kept, the head or the embedding 4-bit (--head-type/--embedding-type int4): a 4-bit head moves
-    # every logit a little, and the nearly flat logits of a tiny random model change their argmax often
-    "kept-4bit-tables": {"mean_kl": 0.05, "top1": 0.6},
+    # every logit (SmolLM2-135M's GPTQ g32 codes with both 4-bit: mean KL 0.109, top-1 81% against torch
+    # of the artifact), and the nearly flat logits of a tiny random model change their argmax often
+    "kept-4bit-tables": {"mean_kl": 0.25, "top1": 0.6},
 }
 
 
