@@ -25,7 +25,7 @@ def test_each_registry_refuses_a_duplicate_name():
         register_transport("ssh")(type("Again", (LocalTransport,), {}))
     with pytest.raises(ValueError, match="metric 'perplexity' registered twice"):
         register_metric("perplexity")(lambda ev: None)
-    assert list(RUNTIMES) == ["torch", "onnxruntime", "llama.cpp", "onnxruntime-genai"]
+    assert list(RUNTIMES) == ["torch", "onnxruntime", "llama.cpp", "onnxruntime-genai", "executorch"]
     assert set(TRANSPORTS) == {"local", "emulated", "ssh", "cuda"}
     assert list(METRICS) == ["perplexity", "fidelity", "tasks", "memory", "latency"]
 

@@ -51,15 +51,15 @@ def _print_export(report: dict, fmt) -> None:
 @bounded(threads="threads", block_size="export_block_size", accuracy_level="accuracy_level")
 def export_command(
     source: Optional[str] = typer.Argument(None, help="An slmedge artifact, HF folder, .gguf file, Hub id or embedded name (default smollm2-135m)."),
-    fmt: str = typer.Option("gguf", "--format", "-f", help="gguf (llama.cpp), onnx (onnxruntime), onnxruntime-genai (an ONNX folder with genai_config.json) "
-                             "or compressed-tensors (transformers, vLLM: an artifact's codes, pack-quantized)."),
-    qtype: str = typer.Option("auto", "--type", "-t", help="GGUF: auto, f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, iq4_xs, q3_k, q4_k, q5_k, q6_k, q4_k_s, q4_k_m, q5_k_m, q3_k_m, q2_k (an artifact's codes are kept where the type's grid holds them: q8_0, q4_0, q4_1 for the uniform grid; the type of its own llama.cpp grid for --grid; the rest by llama.cpp's quantizer). ONNX: auto, fp32, fp16, int4, int8, int8-dynamic. auto: the type that keeps the artifact's codes."),
+    fmt: str = typer.Option("gguf", "--format", "-f", help="gguf (llama.cpp), onnx (onnxruntime), onnxruntime-genai (an ONNX folder with genai_config.json), "
+                             "compressed-tensors (transformers, vLLM: an artifact's codes, pack-quantized) or executorch (a .pte program for XNNPACK)."),
+    qtype: str = typer.Option("auto", "--type", "-t", help="GGUF: auto, f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, iq4_xs, q3_k, q4_k, q5_k, q6_k, q4_k_s, q4_k_m, q5_k_m, q3_k_m, q2_k (an artifact's codes are kept where the type's grid holds them: q8_0, q4_0, q4_1 for the uniform grid; the type of its own llama.cpp grid for --grid; the rest by llama.cpp's quantizer). ONNX: auto, fp32, fp16, int4, int8, int8-dynamic. ExecuTorch: auto, codes, fp32, 8da4w, 4w, 8w (torchao's). auto: the type that keeps the artifact's codes."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="A GGUF file; for the other formats a folder (default slmedge-out/<source>-<type>)."),
     exact: bool = typer.Option(False, "--exact", help="Fail instead of re-quantizing weights whose codes the type cannot hold."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Run the file in its runtime on a probe and compare with torch."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Threads for quantizing and verifying (default: all cores)."),
-    block_size: int = typer.Option(32, "--block-size", help="ONNX: onnxruntime quantizer's block for weights without codes."),
+    block_size: int = typer.Option(32, "--block-size", help="ONNX: onnxruntime quantizer's block for weights without codes; ExecuTorch: torchao's group size (a multiple of 32)."),
     accuracy_level: int = typer.Option(4, "--accuracy-level", help="ONNX MatMulNBits accuracy_level: 4 (default) multiplies with int8-quantized activations, as llama.cpp does, several times faster on CPU; 0 computes in fp32 (exact, slow for the 8-bit head)."),
     keep_fp32_head: bool = typer.Option(False, "--keep-fp32-head", help="ONNX int4/int8: leave lm_head and the embedding in fp32 (default: 8-bit head, fp16 embedding)."),
     embedding_type: str = typer.Option("fp16", "--embedding-type", help="ONNX int4/int8: the token embedding: fp16 (default), int8 or int4 (com.microsoft GatherBlockQuantized, --block-size blocks, scales searched for the least error; a tied head of the same type and block shares its codes)."),
@@ -82,6 +82,7 @@ def export_command(
       # for transformers and vLLM; for onnxruntime-genai apps:
       slmedge export out/gptq --format compressed-tensors -o ct_dir/
       slmedge export out/awq --format onnxruntime-genai -o genai_dir/
+      slmedge export out/gptq --format executorch -o et_dir/
     """
     from ..export.api import export
     from ..export.formats import get_format

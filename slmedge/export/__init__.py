@@ -7,6 +7,7 @@ importing this package registers the built-in ones: GGUF (llama.cpp) and ONNX (o
 from . import ort_genai  # noqa: F401,I001  (registration; first: its folders hold a .onnx model too)
 from . import gguf, onnx  # noqa: F401  (registration)
 from . import compressed_tensors  # noqa: F401  (registration)
+from . import executorch  # noqa: F401  (registration; executorch itself is imported when used)
 from .errors import (ExportError, ExportVerificationError, GGUFExportError, GGUFVerificationError, ONNXExportError,
                      ONNXVerificationError)
 from .formats import FORMATS, ExportFormat, get_format, register_format, unregister_format

@@ -16,3 +16,4 @@ from .torch_runtime import TorchRuntime, torch_tanh_cap  # noqa: F401,E402  isor
 from .onnx_runtime import OnnxRuntime  # noqa: F401,E402  isort:skip
 from .llamacpp_runtime import LlamaCppRuntime  # noqa: F401,E402  isort:skip
 from .genai_runtime import GenaiRuntime  # noqa: F401,E402  isort:skip
+from .executorch_runtime import ExecuTorchRuntime  # noqa: F401,E402  isort:skip

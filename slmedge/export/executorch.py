@@ -1,0 +1,335 @@
+"""ExecuTorch export: a ``.pte`` program with its KV cache, lowered to the XNNPACK delegate.
+
+The decoder is wrapped by transformers' ``TorchExportableModuleForDecoderOnlyLM`` (a static KV cache of
+the export's context length inside the program; ``forward(input_ids, cache_position) -> logits``, the
+layout ExecuTorch's LLM runner reads), exported with ``torch.export`` (dynamic sequence length: one
+method does prefill and decode), lowered with ``to_edge_transform_and_lower(...,
+partitioner=[XnnpackPartitioner()])`` and written by ``.to_executorch()``. The folder holds
+``model.pte``, the source's ``tokenizer.json`` (what ExecuTorch's LLM runner reads) and configs, and
+``slmedge-export.json`` (sealed, with every file's sha256).
+
+Weights:
+
+- ``codes`` (an artifact's default): every coded linear becomes torchao's ``IntxUnpackedToInt8Tensor``
+  built from the artifact's own codes and fp16 scales (codes - 2^(bits-1) as int8) on XNNPACK's
+  symmetric qd8 kernels (int8 dynamic activations), plus, for asymmetric groups, an fp32 term for what
+  their zero points take away (``kept_linear``): the artifact's weights exactly. 4- and 8-bit, group-wise, symmetric or asymmetric;
+  groups XNNPACK has no kernel for (not a multiple of 32, or not dividing the inputs) and llama.cpp
+  grids are refused before any work;
+- ``fp32``: the source's (dequantized) weights;
+- ``8da4w``, ``4w``, ``8w``: torchao's own schemes (int8 dynamic activations with int4 weights; int4 or
+  int8 weight-only), group size ``--block-size``, on every decoder linear (not the head).
+
+Every export is checked before it is kept: ExecuTorch's logits of the probe against torch's of the
+source weights, and the KV cache path (a prefill, then one token at a time) against the full prefill.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from ..errors import ConfigError, UnsupportedArchitectureError
+from ..fsutil import atomic_directory, check_output_dir
+from ..paths import recorded_path
+from ..progress import stage as progress_stage
+from .errors import ExportError, ExportVerificationError
+from .formats import get_format, register_format
+from .inspect import EXPORT_MANIFEST, read_export_manifest, verified_export_manifest, write_export_manifest
+from .source import open_export_source, outlines
+from .verify import check_logits, compare_logits, probe_text, source_tokenizer, torch_logits
+
+FORMAT = "slmedge-executorch-export"  # the manifest's "format"
+PROGRAM = "model.pte"
+TYPES = ("codes", "fp32", "8da4w", "4w", "8w")
+TORCHAO_TYPES = ("8da4w", "4w", "8w")
+MAX_CONTEXT = 2048  # the static KV cache's length: the model's positions, at most this
+XNNPACK_GROUP = 32  # XNNPACK's group-wise kernels take groups that are multiples of 32 (and divide the inputs)
+# The files of the source folder the export carries beside the program.
+BESIDE = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json", "chat_template.jinja")
+TOLERANCES: dict[str, dict[str, float]] = {
+    "fp32": {"mean_kl": 1e-5, "top1": 0.99},
+    # the artifact's weights exactly; XNNPACK's qd8 kernels quantize activations per token (int8)
+    "codes": {"mean_kl": 0.02, "top1": 0.85},
+    "requantized": {"mean_kl": 0.5, "top1": 0.3},  # torchao chose the values (and 8da4w quantizes activations)
+}
+
+
+class ExecuTorchExportError(ExportError):
+    """An ExecuTorch export cannot be written as asked."""
+
+
+class ExecuTorchVerificationError(ExecuTorchExportError, ExportVerificationError):
+    """ExecuTorch's logits of the written program disagree with torch's; nothing is left at the output."""
+
+
+def xnnpack_group_problem(group: int, columns: int) -> str | None:
+    """Why XNNPACK has no group-wise kernel for ``group`` over ``columns`` inputs (None: it has)."""
+    if group % XNNPACK_GROUP or columns % group:
+        return f"a group of {group} over {columns} inputs (XNNPACK needs a multiple of 32 that divides the inputs)"
+    return None
+
+
+def kept_weight(res):
+    """An artifact's coded linear's (``LinearResult``) codes and fp16 scales as torchao's
+    ``IntxUnpackedToInt8Tensor`` with int8 dynamic activations (XNNPACK's qd8 kernels): int8 codes
+    shifted by 2^(bits-1), zero point 0, so it dequantizes to ``(codes - 2^(bits-1)) * scales``. XNNPACK's
+    group-wise kernels read symmetric weights only (a group's own zero point is lost in lowering, as
+    measured with executorch 1.5.1): ``kept_linear`` adds what the groups' zero points take away."""
+    import torch
+    from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
+        IntxUnpackedToInt8Tensor, IntxUnpackedToInt8TensorActivationQuantization)
+
+    n, k = res.codes.shape
+    g = res.spec.group_width(k)
+    qdata = (res.codes.to(torch.int16) - (1 << (res.spec.bits - 1))).to(torch.int8)
+    return IntxUnpackedToInt8Tensor(qdata=qdata, scale=res.scales.to(torch.float32),
+                                    zero_point=torch.zeros((n, k // g), dtype=torch.int8),
+                                    target_dtype=getattr(torch, f"int{res.spec.bits}"), block_size=(1, g),
+                                    dtype=torch.float32,
+                                    activation_quantization=IntxUnpackedToInt8TensorActivationQuantization.INT8_ASYM_PER_TOKEN)
+
+
+def kept_linear(res, bias=None):
+    """A module computing the artifact's linear from its codes: ``x @ ((codes - mid) * scales)^T`` on XNNPACK's
+    symmetric kernel, plus, where groups have their own zero points, ``sum_group(x) @ ((mid - zeros) * scales)^T``
+    (fp32, one column per group): together ``x @ ((codes - zeros) * scales)^T``, the codes kept as they are."""
+    import torch
+
+    class KeptLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(kept_weight(res), requires_grad=False)
+            self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+            n, k = res.codes.shape
+            self.group = res.spec.group_width(k)
+            mid = 1 << (res.spec.bits - 1)
+            offset = (mid - res.zeros.to(torch.float32)) * res.scales.to(torch.float32)  # (N, G)
+            self.offset = None
+            if bool((res.zeros != mid).any()):
+                self.offset = torch.nn.Parameter(offset, requires_grad=False)
+
+        def forward(self, x):
+            y = torch.nn.functional.linear(x, self.weight, self.bias)
+            if self.offset is not None:
+                sums = x.reshape(*x.shape[:-1], -1, self.group).sum(-1)
+                y = y + torch.nn.functional.linear(sums, self.offset)
+            return y
+
+        def dequantized(self):
+            w = self.weight.dequantize()
+            if self.offset is not None:
+                w = w + self.offset.repeat_interleave(self.group, dim=1)
+            return w
+
+    return KeptLinear()
+
+
+def _plan_codes(plan: dict) -> list[str]:
+    """The coded linears, each checked keepable (ConfigError, exit 2, before any work)."""
+    from ..compress.quant import QuantSpec
+
+    coded = [n for n, o in plan.items() if o.coded]
+    for name in coded:
+        spec, (_, k) = plan[name].spec, plan[name].shape
+        if not isinstance(spec, QuantSpec):
+            raise ConfigError(f"{name}: llama.cpp's {spec.name} grid has no ExecuTorch form; export it as --type fp32 "
+                              "or to GGUF")
+        if spec.bits not in (4, 8):
+            raise ConfigError(f"{name}: {spec.bits}-bit codes have no XNNPACK kernel (4 or 8 bits); "
+                              "use --type fp32 or a torchao type")
+        why = xnnpack_group_problem(spec.group_width(k), k)
+        if why:
+            raise ConfigError(f"{name}: XNNPACK has no kernel for {why}; use --type fp32 or a torchao type")
+    return coded
+
+
+def _torchao_config(key: str, group: int):
+    import torch
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
+    from torchao.quantization.granularity import PerGroup
+
+    if key == "8da4w":
+        return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group))
+    return IntxWeightOnlyConfig(weight_dtype=torch.int4 if key == "4w" else torch.int8, granularity=PerGroup(group))
+
+
+def _decoder_linears(model) -> dict:
+    import torch
+
+    head = model.get_output_embeddings()
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+
+
+def _lower(model, context: int):
+    """``model`` with its static KV cache -> an ExecuTorch program (bytes) lowered to XNNPACK."""
+    import torch
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    from transformers import GenerationConfig
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static")
+    # One cache slot more than the context: a feed of ``context`` tokens (the static cache's Dim must stay
+    # below its length) at positions 0..context-1.
+    wrapped = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=context + 1)
+    seq = torch.export.Dim("seq", min=1, max=context)
+    ids = torch.zeros((1, 4), dtype=torch.long)
+    with torch.no_grad():
+        # strict: torch.export's non-strict trace of the static cache fails in run_decompositions (torch 2.14)
+        program = wrapped.export(input_ids=ids, cache_position=torch.arange(4), strict=True,
+                                 dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}})
+    edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()],
+                                       compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    return edge.to_executorch().buffer
+
+
+def _require():
+    from ..backends.executorch import require_executorch
+
+    require_executorch()
+    try:
+        import torchao  # noqa: F401
+    except ImportError as exc:
+        from ..backends.executorch import INSTALL, ExecuTorchNotInstalledError
+
+        raise ExecuTorchNotInstalledError(f"torchao is not installed; install it with: {INSTALL}") from exc
+
+
+def _report_rows(report: dict) -> list[tuple[str, str]]:
+    return [("program", f"{PROGRAM}, XNNPACK, context {report['context']}"),
+            ("codes kept exactly", f"{report['codes_kept']} linears")]
+
+
+@register_format("executorch", label="ExecuTorch", noun="an ExecuTorch export", single_file=False, suffix=".pte",
+                 folder_holds="model.pte, tokenizer, config", default_stem="{model}-executorch-{type}",
+                 complete=lambda out: (Path(out) / EXPORT_MANIFEST).is_file(), read_manifest=read_export_manifest,
+                 verified_manifest=lambda p: verified_export_manifest(p, "ExecuTorch"),
+                 model_file=lambda p: Path(p) / PROGRAM if Path(p).is_dir() else Path(p),
+                 tokenizer="beside", packages=("executorch", "torchao"), types=TYPES, tolerances=TOLERANCES,
+                 options=("block_size",), error=ExecuTorchExportError, report_rows=_report_rows,
+                 recognizes=lambda p: (Path(p) / PROGRAM).is_file())
+def export_executorch(source, out_dir, etype: str = "auto", exact: bool = False, verify: bool = True, *,
+                      overwrite: bool = False, probe: str | None = None, n_threads: int | None = None,
+                      block_size: int = 32) -> dict:
+    """Write ``source`` (an slmedge artifact or an HF folder) as an ExecuTorch export folder ``out_dir``.
+
+    ``etype``: ``auto`` (``codes`` for an artifact with codes, else ``fp32``), ``codes``, ``fp32``, or
+    torchao's ``8da4w``, ``4w``, ``8w`` at group size ``block_size``."""
+    started = time.perf_counter()
+    key = get_format("executorch").check_type(etype)
+    _require()
+    check_output_dir(out_dir, overwrite, EXPORT_MANIFEST, inputs=[source])  # before any work
+    src = open_export_source(source, lazy_layers=True)
+    from ..models.architectures import ARCHITECTURES
+
+    if src.model_type not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(f"ExecuTorch export does not support architecture '{src.model_type}'; "
+                                           f"supported: {', '.join(ARCHITECTURES)}")
+    plan = outlines(src.layers)
+    has_codes = any(o.coded for o in plan.values())
+    key = ("codes" if has_codes else "fp32") if key == "auto" else key
+    if key == "codes" and not has_codes:
+        raise ConfigError(f"--type codes: {src.path} has no codes to keep; choose fp32 or a torchao type "
+                          f"({', '.join(TORCHAO_TYPES)})")
+    if exact and key != "codes":
+        raise ConfigError(f"--exact: {key} does not keep the artifact's codes; use --type codes")
+    coded = _plan_codes(plan) if key == "codes" else []
+    notes: list[str] = []
+    if key in TORCHAO_TYPES:
+        from .source import weight_shapes
+
+        for name, shape in weight_shapes(src.path):
+            if name.endswith(".weight") and len(shape) == 2 and "embed" not in name and "lm_head" not in name \
+                    and "norm" not in name:
+                why = xnnpack_group_problem(block_size, shape[1])
+                if why:
+                    raise ConfigError(f"--block-size: XNNPACK has no kernel for {why} ({name})")
+        if has_codes:
+            notes.append(f"{key} re-quantizes every decoder linear with torchao: the artifact's codes are not kept")
+    elif key == "fp32" and has_codes:
+        notes.append("fp32 holds the artifact's dequantized weights, not its codes")
+    positions = int(getattr(src.config.get_text_config(), "max_position_embeddings", MAX_CONTEXT) or MAX_CONTEXT)
+    context = min(positions, MAX_CONTEXT)
+    with atomic_directory(out_dir, overwrite=overwrite, manifest=EXPORT_MANIFEST) as tmp:
+        import torch
+
+        from .verify import torch_model
+
+        model = torch_model(src.path).eval()
+        layers = {}
+        if key == "codes":
+            linears = _decoder_linears(model)
+            for name in coded:
+                if name not in linears:
+                    raise ExecuTorchExportError(f"the artifact has codes for {name} but the model has no such linear")
+                res = src.layers[name]
+                kept = kept_linear(res, linears[name].bias)
+                if not torch.allclose(kept.dequantized(), linears[name].weight.detach(), rtol=2**-10, atol=1e-6):
+                    raise ExecuTorchExportError(f"the codes of {name} do not dequantize to the artifact's weight")
+                parent, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent), attr, kept)
+                layers[name] = {"grid": res.spec.describe(), "codes_kept": True}
+        elif key in TORCHAO_TYPES:
+            from torchao.quantization import quantize_
+
+            head = model.get_output_embeddings()
+            quantize_(model, _torchao_config(key, block_size),
+                      filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and m is not head)
+        with progress_stage("export and lower to XNNPACK"):
+            buffer = _lower(model, context)
+        del model
+        (tmp / PROGRAM).write_bytes(buffer)
+        del buffer
+        for name in BESIDE:
+            if (src.path / name).is_file():
+                shutil.copyfile(src.path / name, tmp / name)
+        kind = "requantized" if key in TORCHAO_TYPES else key
+        verification = None
+        if verify:
+            with progress_stage("verify in ExecuTorch"):
+                verification = verify_against_torch(tmp, src.path, TOLERANCES[kind], probe)
+        manifest = write_export_manifest(tmp, {
+            "format": FORMAT,
+            "source": recorded_path(src.path, out_dir),
+            "source_kind": "artifact" if src.artifact is not None else "hf_dir",
+            "source_manifest_sha256": src.artifact.manifest_sha256 if src.artifact is not None else None,
+            "model_type": src.model_type,
+            "type": key,
+            "group_size": block_size if key in TORCHAO_TYPES else None,
+            "context": context,
+            "backend": "XNNPACK",
+            "exact": key == "codes",
+            "codes_kept": len(layers),
+            "layers": layers,
+            "verification": verification,
+            "notes": notes,
+        }, started)
+    report = dict(manifest)
+    report["path"] = str(out_dir)
+    report["source"] = str(src.path)
+    report["bytes"] = manifest["files"][PROGRAM]["bytes"]
+    return report
+
+
+def verify_against_torch(folder: Path, src_path: Path, tolerance: dict, probe: str | None = None) -> dict:
+    """ExecuTorch's logits of the program against torch's of the source weights; then its KV cache path."""
+    import numpy as np
+
+    from ..backends.executorch import EtDecoder
+
+    ids = source_tokenizer(src_path)(probe_text(probe), add_special_tokens=True)["input_ids"]
+    dec = EtDecoder(folder)
+    ids = ids[: dec.max_tokens]
+    ref = torch_logits(src_path, ids)
+    got = dec.logits(ids)
+    inc = dec.incremental_logits(ids, max(1, len(ids) // 2))
+    stats = check_logits(ref, got, tolerance, f"ExecuTorch's logits of the program disagree with torch's of "
+                         f"{src_path.name}", ExecuTorchVerificationError,
+                         kv_cache_max_abs_diff=float(np.abs(inc - got).max()))
+    if compare_logits(got, inc)["mean_kl"] > max(1e-4, tolerance["mean_kl"] / 2):
+        raise ExecuTorchVerificationError("the ExecuTorch program's KV cache path disagrees with its full prefill; "
+                                          "nothing was written")
+    return stats
