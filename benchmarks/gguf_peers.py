@@ -514,18 +514,24 @@ def goal_rows(rows: dict) -> list[dict]:
     out = []
     for label, theirs in sorted(((k, r) for k, r in scored.items() if k.endswith(" llama-imatrix")),
                                 key=lambda kv: (kv[1]["bytes"], kv[0])):
-        fit = {k: r for k, r in ours.items() if r["bytes"] <= theirs["bytes"]}
-        lost = {k: (r["mean_kl"] >= theirs["mean_kl"]) + (r["ppl_geomean"] >= theirs["ppl_geomean"]) for k, r in fit.items()}
-        both = [k for k in fit if not lost[k]]
-        pick = (min(both, key=lambda k: (bool(caveat_mark(fit[k])), fit[k]["mean_kl"], k)) if both else
-                min(fit, key=lambda k: (lost[k], fit[k]["mean_kl"], k)) if fit else None)
-        row = {"llama": label, "slmedge": pick, "verdict": "none"}
-        if pick is not None:
-            kl, ppl = fit[pick]["mean_kl"] < theirs["mean_kl"], fit[pick]["ppl_geomean"] < theirs["ppl_geomean"]
-            row["verdict"] = {(True, True): "yes", (True, False): "KL only", (False, True): "perplexity only",
-                              (False, False): "no"}[(kl, ppl)]
-        out.append(row)
+        pick, verdict = against(ours, theirs, lambda r: (bool(caveat_mark(r)), r["mean_kl"]))
+        out.append({"llama": label, "slmedge": pick, "verdict": verdict})
     return out
+
+
+def against(ours: dict, theirs: dict, prefer) -> tuple[str | None, str]:
+    """Of ``ours`` (label -> row), the file of equal or smaller size than ``theirs`` lower on both mean KL and
+    perplexity (the first by ``prefer(row)``), else the nearest miss (lower on one of them, then the lowest KL);
+    and the verdict: yes, KL only, perplexity only, no, or none (no file that small)."""
+    fit = {k: r for k, r in ours.items() if r["bytes"] <= theirs["bytes"]}
+    lost = {k: (r["mean_kl"] >= theirs["mean_kl"]) + (r["ppl_geomean"] >= theirs["ppl_geomean"]) for k, r in fit.items()}
+    both = [k for k in fit if not lost[k]]
+    pick = (min(both, key=lambda k: (prefer(fit[k]), k)) if both else
+            min(fit, key=lambda k: (lost[k], fit[k]["mean_kl"], k)) if fit else None)
+    if pick is None:
+        return None, "none"
+    kl, ppl = fit[pick]["mean_kl"] < theirs["mean_kl"], fit[pick]["ppl_geomean"] < theirs["ppl_geomean"]
+    return pick, {(True, True): "yes", (True, False): "KL only", (False, True): "perplexity only", (False, False): "no"}[(kl, ppl)]
 
 
 def print_goal(model: str, goal: list[dict], rows: dict) -> None:

@@ -55,7 +55,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.gguf_peers import fresh, log, stamp  # noqa: E402 - the GGUF comparison's resumable steps
+from benchmarks.gguf_peers import against, fresh, log, stamp  # noqa: E402 - the GGUF comparison's steps and goal
 
 ALGOS = ("rtn", "k_quant", "hqq", "gptq")
 BUILDER_ALGOS = ("rtn", "k_quant", "k_quant_last", "k_quant_mixed")
@@ -67,6 +67,8 @@ ARTIFACTS = {
     "awq-g128": ["--method", "awq", "--bits", "4", "--group-size", "128", "--asym"],
     "gptq-g128": ["--method", "gptq", "--bits", "4", "--group-size", "128", "--asym"],
     "rtn-g32": ["--method", "rtn", "--bits", "4", "--group-size", "32", "--asym"],
+    "rtn-g32-sym": ["--method", "rtn", "--bits", "4", "--group-size", "32", "--sym"],
+    "gptq-g32-sym": ["--method", "gptq", "--bits", "4", "--group-size", "32", "--sym"],
 }
 TABLES = {"": [],  # the export's defaults: fp16 embedding, 8-bit head
           "-t8": ["--embedding-type", "int8", "--head-type", "int8"],  # 8-bit embedding and head (one copy if tied)
@@ -457,18 +459,10 @@ def goal_rows(rows: dict) -> list[dict]:
     out = []
     for label, theirs in sorted(((k, r) for k, r in scored.items() if r["producer"] != "slmedge"),
                                 key=lambda kv: (kv[1]["bytes"], kv[0])):
-        fit = {k: r for k, r in ours.items() if r["bytes"] <= theirs["bytes"]}
-        lost = {k: (r["mean_kl"] >= theirs["mean_kl"]) + (r["ppl_geomean"] >= theirs["ppl_geomean"]) for k, r in fit.items()}
-        both = [k for k in fit if not lost[k]]
-        pick = (min(both, key=lambda k: (fit[k]["bytes"], k)) if both else
-                min(fit, key=lambda k: (lost[k], fit[k]["mean_kl"], k)) if fit else None)
-        row = {"peer": label, "slmedge": pick, "verdict": "none"}
+        pick, verdict = against(ours, theirs, lambda r: r["bytes"])
+        row = {"peer": label, "slmedge": pick, "verdict": verdict}
         if pick is None and ours:  # nothing that small: the nearest miss is slmedge's smallest file
             row["nearest"] = min(ours, key=lambda k: (ours[k]["bytes"], k))
-        if pick is not None:
-            kl, ppl = fit[pick]["mean_kl"] < theirs["mean_kl"], fit[pick]["ppl_geomean"] < theirs["ppl_geomean"]
-            row["verdict"] = {(True, True): "yes", (True, False): "KL only", (False, True): "perplexity only",
-                              (False, False): "no"}[(kl, ppl)]
         out.append(row)
     return out
 
