@@ -177,6 +177,10 @@ def test_a_group_xnnpack_has_no_kernel_for_is_exit_2_and_nothing_written(et, tin
     r = runner.invoke(app, ["export", str(art), "--format", "executorch", "-o", str(out)])
     one_line_error(r, "XNNPACK has no kernel")
     assert r.exit_code == 2 and not out.exists()
+    art = artifacts("llama", "rtn", bits=8, group_size=32)  # its 8-bit kernels are per channel only
+    r = runner.invoke(app, ["export", str(art), "--format", "executorch", "-o", str(out)])
+    one_line_error(r, "XNNPACK has no kernel", "8-bit codes in groups of 32")
+    assert r.exit_code == 2 and not out.exists()
 
 
 def test_missing_executorch_is_one_line_exit_2(fp32_program, tiny_models, tmp_path, monkeypatch):
