@@ -107,3 +107,21 @@ def test_a_grid_s_fallback_is_announced(tiny_models, tmp_path):
     assert summary["grids"] == {"q5_0": {"linears": 14, "bits_per_weight": 5.5}}
     assert summary["fallback"]["to"] == ["q5_0"] and summary["fallback"]["count"] == 14
     assert summary["bits_per_weight"] == 5.5
+
+
+def test_run_s_own_defaults_are_not_given(tiny_models, tmp_path, monkeypatch):
+    """`slmedge run`'s --group-size defaults to 32, not q6_k's 16: left at its default, it is not a
+    contradiction (the recipe reaches the compression, stopped there)."""
+    import slmedge.cli.compress as cli_compress
+
+    seen = {}
+
+    def stop(model, recipe, output, **kwargs):
+        seen["recipe"] = recipe
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_compress, "check_compress", stop)
+    res = runner.invoke(app, ["run", str(tiny_models("llama")), "--grid", "q6_k", "--nsamples", "2", "--seqlen", "16",
+                              "-o", str(tmp_path / "out")])
+    assert res.exit_code == 130, res.output
+    assert seen["recipe"].grid == "q6_k" and "group_size" not in seen["recipe"].to_dict()
