@@ -61,6 +61,8 @@ def test_fp32_program_matches_torch_and_carries_its_manifest(fp32_program):
     assert format_for_path(folder) == format_for_path(folder / "model.pte") == "executorch"
     got = EtDecoder(folder).logits(PROBE)
     assert np.abs(got - torch_logits(src, PROBE)).max() < 1e-4
+    shown = runner.invoke(app, ["inspect", str(folder)], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0 and "model.pte, XNNPACK, type fp32" in shown.output, shown.output
 
 
 @pytest.mark.parametrize("kind", ["fp32", "codes"])

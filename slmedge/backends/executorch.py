@@ -29,12 +29,18 @@ class ExecuTorchNotInstalledError(RuntimeNotInstalledError, ConfigError):
     """The executorch extra is not installed (a setting of this machine: exit 2)."""
 
 
-def require_executorch():
-    """ExecuTorch's runtime bindings, or the one line that says how to install them."""
+def quiet_torchao() -> None:
+    """torch's notice, at torchao's import, about the Enums torchao registers (nothing to act on), off
+    unless ``--debug``."""
     from ..quiet import debugging
 
-    if not debugging():  # torch's notice, at torchao's import, about an Enum torchao registers (nothing to act on)
+    if not debugging():
         logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+
+def require_executorch():
+    """ExecuTorch's runtime bindings, or the one line that says how to install them."""
+    quiet_torchao()
     try:
         from executorch.extension.pybindings import portable_lib
     except ImportError as exc:

@@ -100,7 +100,7 @@ def print_results(res: dict) -> None:
 def evaluate_command(
     source: Optional[str] = typer.Argument(None, help="Artifact, model source, .gguf file or ONNX export (default: smollm2-135m)."),
     metrics: Optional[str] = typer.Option(None, "--metrics", help="Comma list of perplexity,fidelity,tasks,memory,latency (default: all)."),
-    runtime: Optional[str] = typer.Option(None, "--runtime", help="torch, onnxruntime, onnxruntime-genai or llama.cpp (default: follows from the file)."),
+    runtime: Optional[str] = typer.Option(None, "--runtime", help="torch, onnxruntime, onnxruntime-genai, llama.cpp or executorch (default: follows from the file)."),
     langs: str = typer.Option("en,ar,hi,zh,th,de,es", "--langs", help="NTREX-128 languages for perplexity (and XCOPA tasks)."),
     no_wikitext: bool = typer.Option(False, "--no-wikitext", help="Skip WikiText-2 in perplexity."),
     corpus: Optional[list[str]] = typer.Option(None, "--corpus", help="A plain text file to score (repeatable)."),

@@ -69,7 +69,7 @@ def export_command(
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision."),
     as_json: bool = typer.Option(False, "--json", help="Print the full report (per-tensor types) as JSON."),
 ):
-    """Export a model or artifact to GGUF, ONNX, onnxruntime-genai or compressed-tensors, checked against torch.
+    """Export a model or artifact to GGUF, ONNX, onnxruntime-genai, compressed-tensors or ExecuTorch, checked against torch.
 
     \b
     Examples:
@@ -157,7 +157,7 @@ def inspect_command(
     as_json: bool = typer.Option(False, "--json", help="Print everything as JSON."),
     tensors: bool = typer.Option(False, "--tensors", help="With a manifest: list every tensor's type and whether its codes were kept."),
 ):
-    """Print what is inside a GGUF file, an ONNX, onnxruntime-genai or compressed-tensors export, or an artifact.
+    """Print what is inside a GGUF file, an ONNX, onnxruntime-genai, compressed-tensors or ExecuTorch export, or an artifact.
 
     \b
     Examples:

@@ -206,6 +206,43 @@ def _report_rows(report: dict) -> list[tuple[str, str]]:
             ("codes kept exactly", f"{report['codes_kept']} linears")]
 
 
+def _folder(path) -> Path:
+    return Path(path) if Path(path).is_dir() else Path(path).parent
+
+
+def inspect_executorch(path: Path) -> dict:
+    """What an ExecuTorch export folder holds, as its manifest and config say (the program is not loaded)."""
+    import json
+
+    folder = _folder(path)
+    cfg = folder / "config.json"
+    manifest = read_export_manifest(folder) or {}
+    manifest.pop("files", None)
+    params = 0
+    if cfg.is_file():  # the model's parameters, from its config on the meta device (nothing allocated)
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from ..backends.executorch import quiet_torchao
+
+        quiet_torchao()  # transformers imports torchao when it is installed
+
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)))
+        params = sum(p.numel() for p in model.parameters())
+    nbytes = (folder / PROGRAM).stat().st_size
+    return {"path": str(folder), "format": "executorch",
+            "architecture": json.loads(cfg.read_text(encoding="utf-8")).get("model_type") if cfg.is_file() else None,
+            "file_bytes": nbytes, "params": params, "bits_per_weight": round(8 * nbytes / params, 3) if params else 0,
+            "by_type": {}, "manifest": manifest or None}
+
+
+def _inspect_rows(info: dict) -> list[tuple[str, str]]:
+    m = info["manifest"] or {}
+    return [("program", f"{PROGRAM}, {m.get('backend', '?')}, type {m.get('type', '?')}, context {m.get('context', '?')}"),
+            ("codes kept exactly", f"{m.get('codes_kept', 0)} linears")]
+
+
 @register_format("executorch", label="ExecuTorch", noun="an ExecuTorch export", single_file=False, suffix=".pte",
                  folder_holds="model.pte, tokenizer, config", default_stem="{model}-executorch-{type}",
                  complete=lambda out: (Path(out) / EXPORT_MANIFEST).is_file(), read_manifest=read_export_manifest,
@@ -213,7 +250,7 @@ def _report_rows(report: dict) -> list[tuple[str, str]]:
                  model_file=lambda p: Path(p) / PROGRAM if Path(p).is_dir() else Path(p),
                  tokenizer="beside", packages=("executorch", "torchao"), types=TYPES, tolerances=TOLERANCES,
                  options=("block_size",), error=ExecuTorchExportError, report_rows=_report_rows,
-                 recognizes=lambda p: (Path(p) / PROGRAM).is_file())
+                 inspect=inspect_executorch, inspect_rows=_inspect_rows, recognizes=lambda p: (Path(p) / PROGRAM).is_file())
 def export_executorch(source, out_dir, etype: str = "auto", exact: bool = False, verify: bool = True, *,
                       overwrite: bool = False, probe: str | None = None, n_threads: int | None = None,
                       block_size: int = 32) -> dict:
