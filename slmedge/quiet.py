@@ -9,7 +9,11 @@ processes it starts (study workers, memory probes, runners: through the environm
 - transformers' and huggingface_hub's logging at ERROR, their progress bars off;
 - Python warnings raised from any module outside slmedge ignored (slmedge's own still show:
   they say something about the user's model or settings);
-- the root logger at ERROR, so a library's stray ``logger.warning`` finds no handler to print it.
+- the root logger at ERROR, so a library's stray ``logger.warning`` finds no handler to print it;
+- torch's own loggers that speak at import time (torch keeps a handler of its own on ``torch`` and
+  sets that logger's level when it loads, so each child logger is set instead): torchao, which
+  transformers imports whenever it is installed (the executorch extra brings it), registers enums
+  with ``torch.utils._pytree`` and torch logs a deprecation line for each, on every command.
 
 ``slmedge --debug`` leaves all of it on (``DEBUG_ENV`` tells child processes so).
 """
@@ -27,6 +31,10 @@ DEBUG_ENV = "SLMEDGE_DEBUG"
 # Read by the libraries when they are imported (and inherited by child processes).
 _LIBRARY_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                 "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+# torch's loggers that write notices at import (see the module's docstring); levels set before or
+# after torch loads both hold, since torch resets only the "torch" logger itself.
+_TORCH_LOGGERS = ("torch.utils._pytree",)
 
 # Warnings raised in slmedge's own modules: these are messages for the user.
 _OURS = r"slmedge(\.|$)"
@@ -54,6 +62,8 @@ def quiet_libraries(own_warnings: bool = True) -> None:
     if own_warnings:  # inserted in front of the "ignore": slmedge's own warnings still show
         warnings.filterwarnings("default", module=_OURS)
     logging.getLogger().setLevel(logging.ERROR)
+    for name in _TORCH_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     if "transformers" in sys.modules:
         from transformers.utils import logging as transformers_logging
 

@@ -33,6 +33,8 @@ NOISY = textwrap.dedent('''
         warnings.warn_explicit("torch.tensor results are registered as constants", UserWarning,
                                "torch/onnx/utils.py", 1, module="torch.onnx.utils")
         logging.getLogger("optimum.exporters").warning("some weights were not used")
+        import torch  # torch's own logger, as torch writes it when torchao registers its enums at import
+        logging.getLogger("torch.utils._pytree").warning("<enum 'KernelPreference'> is an Enum subclass")
         warnings.warn_explicit("the calibration is not kept", UserWarning, "slmedge/export/gguf.py", 1,
                                module="slmedge.export.gguf")
         console.print("slmedge table")
@@ -40,7 +42,7 @@ NOISY = textwrap.dedent('''
     app(sys.argv[1:], standalone_mode=False)
 ''')
 
-CHATTER = ("legacy behaviour", "registered as constants", "weights were not used")
+CHATTER = ("legacy behaviour", "registered as constants", "weights were not used", "is an Enum subclass")
 
 
 def _noise(*args):
