@@ -53,11 +53,11 @@ class Case:
 
 def no_network(monkeypatch, fx):
     """The Hub cannot be reached (and nothing asks it to be offline): the check must say so at once."""
-    from slmedge.models import source
+    from slmedge import hub
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setattr(source, "_hub_reachable", {})
+    monkeypatch.setattr(hub, "_hub_reachable", {})
 
     def refuse(*args, **kwargs):
         raise OSError("Network is unreachable")

@@ -113,7 +113,7 @@ def test_slmedge_has_no_import_cycles():
 
 
 # Layers, lowest first: a module may import its own layer and those below, never one above.
-LAYERS = [("errors", "fsutil", "limits", "paths", "procs", "quiet", "registry", "__init__"), ("backends", "data"), ("models",), ("compress",), ("export",),
+LAYERS = [("errors", "fsutil", "hub", "limits", "paths", "procs", "progress", "quiet", "registry", "__init__"), ("backends", "data"), ("models",), ("compress",), ("export",),
           ("runtimes", "targets"), ("evaluate", "lm_eval_model"), ("study",), ("cli", "__main__")]
 
 

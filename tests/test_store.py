@@ -232,16 +232,39 @@ def test_the_run_is_recorded_only_after_every_input_was_read(tmp_path, tiny_mode
     store.close()
 
 
-def test_an_evaluation_that_fails_midway_is_marked_failed_and_left_out_of_the_report(tmp_path, tiny_models):
+def test_an_evaluation_that_fails_midway_is_marked_failed_and_left_out_of_the_report(tmp_path, tiny_models,
+                                                                                       monkeypatch):
+    import importlib
+
+    from slmedge.errors import DataError
+
+    perplexity = importlib.import_module("slmedge.evaluate.perplexity")  # the module (the package exports a function of that name)
+
     db = tmp_path / "r.sqlite"
-    good, short = tmp_path / "a.txt", tmp_path / "short.txt"
+    good, short, later = tmp_path / "a.txt", tmp_path / "short.txt", tmp_path / "c.txt"
     good.write_text(TEXT, encoding="utf-8")
-    short.write_text("Too short.", encoding="utf-8")  # fewer tokens than one window: found while measuring
+    short.write_text("Too short.", encoding="utf-8")  # fewer tokens than one window: refused before a run is recorded
     res = runner.invoke(app, _eval_args(tiny_models("llama"), db, good, short))
-    one_line_error(res, "shorter than one window")
+    one_line_error(res, "short.txt", "shorter than one window")
+    assert res.exit_code == 1 and _runs(db) == []
+    # A failure while measuring (the second corpus): the run is marked failed, its first numbers kept, marked.
+    later.write_text(TEXT, encoding="utf-8")
+    measured = perplexity.runtime_perplexity
+
+    def second_fails(runtime, encoder, text, *args, **kwargs):
+        if second_fails.calls:
+            raise DataError("the second corpus failed while measuring")
+        second_fails.calls += 1
+        return measured(runtime, encoder, text, *args, **kwargs)
+
+    second_fails.calls = 0
+    with monkeypatch.context() as m:
+        m.setattr(perplexity, "runtime_perplexity", second_fails)
+        res = runner.invoke(app, _eval_args(tiny_models("llama"), db, good, later))
+    one_line_error(res, "failed while measuring")
     assert res.exit_code == 1
     [(run_id, status, error)] = _runs(db)
-    assert status == "failed" and "shorter than one window" in error
+    assert status == "failed" and "failed while measuring" in error
     store = ResultsStore(db)
     assert store.rows() == []  # by default only finished runs' results
     kept = store.rows(run_id)  # what it finished is kept, marked
@@ -443,7 +466,8 @@ def test_a_gguf_base_is_recognised_by_its_source_kind(tmp_path):
         return {"study": study, "labels": {"model": model}, "emulated": False, "settings": {}, "metrics": {}}
 
     text = " ".join(caveats([row(str(base))]))
-    assert f"The base model {base} is a GGUF file dequantized to fp32" in text
+    assert "The base model my-base.gguf is a GGUF file dequantized to fp32" in text  # its name: no local path
+    assert str(tmp_path) not in text
     assert "SmolLM2" not in text  # not the embedded model's caveat
     assert "is a GGUF file" not in " ".join(caveats([row(str(tmp_path / "gone.gguf"))]))  # names nothing now
     assert "is a GGUF file" not in " ".join(caveats([row(str(base), study=None)]))  # a plain run: what was evaluated

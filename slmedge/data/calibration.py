@@ -157,7 +157,7 @@ def _file_texts(path: Path, text_field: str) -> list[str]:
 def check_hub(spec: str) -> None:
     """Refuse at once (DataError) a spec with a Hub dataset when the Hub cannot be reached and
     HF_HUB_OFFLINE is not set: one line, instead of the datasets library's retries (tens of seconds)."""
-    from ..models.source import hub_offline_setting, hub_reachable
+    from ..hub import hub_offline_setting, hub_reachable
 
     for part in spec_parts(spec):
         if part.startswith("hf:") and not hub_offline_setting() and not hub_reachable():
