@@ -816,11 +816,14 @@ def _cli(*args, env=None, **kw):
 def test_an_unreachable_hub_is_said_at_once(tmp_path):
     """No HF_HUB_OFFLINE, a Hub that does not answer (an endpoint nothing listens on, so no test ever
     reaches the real Hub): one line saying so, at once, instead of ~25 s of retries. The time is
-    taken once the command line's modules are loaded (their import is slow on a busy machine)."""
+    taken once the command line's modules and those the command loads lazily are loaded (their
+    import is slow on a busy machine)."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env["HF_ENDPOINT"] = "http://127.0.0.1:9"
     args = ["compress", "nobody/nothing", "-o", str(tmp_path / "out")]
-    code = ("import sys, time; from slmedge.cli import main; started = time.perf_counter(); "
+    code = ("import sys, time; from slmedge.cli import main; "
+            "import slmedge.compress.api, slmedge.models.source; "  # what the command loads lazily (torch and friends)
+            "started = time.perf_counter(); "
             f"sys.argv = ['slmedge', *{args!r}]\n"
             "try:\n    main()\nfinally:\n    print(f'{time.perf_counter() - started:.2f}', flush=True)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
