@@ -245,7 +245,7 @@ CASES = [
     Case("export-offline-hub-id", ["export", "nobody/nothing", "-o", "{w}/m.gguf"], INPUT, ["nobody/nothing", "no network"],
          patch=no_network, seconds=5),
     Case("export-imatrix-not-a-matrix", E + ["--type", "q4_k_m", "--imatrix", "{f}/corrupt.gguf", "-o", "{w}/m.gguf"],
-         INPUT, ["{f}/corrupt.gguf", "not an importance matrix"]),
+         INPUT, ["{f}/corrupt.gguf", "cannot be read as an importance matrix"]),
     Case("export-imatrix-missing", E + ["--type", "q4_k_m", "--imatrix", "{w}/none.gguf", "-o", "{w}/m.gguf"], INPUT,
          ["{w}/none.gguf", "does not exist"]),
     Case("export-imatrix-for-onnx", E + ["--format", "onnx", "--imatrix", "{f}/corrupt.gguf", "-o", "{w}/o"], SETTING,

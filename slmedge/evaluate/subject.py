@@ -174,8 +174,8 @@ def open_subject(spec: str | None, runtime: str | None = None, threads: int | No
     sub.identity["label"] = f"{Path(spec_s).name} ({rt})"
     if source.kind == "artifact":
         sub.base_spec = _artifact_base(source.path)
-    elif sub.base_spec is None:  # the cached export names its source relative to the cache (or by name): known here
-        sub.base_spec = str(folder)
+    else:  # a plain model is its own reference: the cached export is shared by every copy of the same
+        sub.base_spec = str(folder)  # content, and names whichever copy exported it first (relative to the cache)
     return sub
 
 
