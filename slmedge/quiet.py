@@ -49,6 +49,15 @@ def set_debug() -> None:
     os.environ[DEBUG_ENV] = "1"
 
 
+def quiet_torch_loggers() -> None:
+    """torch's import-time notices (see the module's docstring) off, unless ``--debug``; also for code
+    that imports torchao outside a command (the library API)."""
+    if debugging():
+        return
+    for name in _TORCH_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def quiet_libraries(own_warnings: bool = True) -> None:
     """Keep third-party notices out of slmedge's output (see the module's docstring); nothing under
     ``--debug``. ``own_warnings=False`` also drops slmedge's own warnings (a study's worker, whose
@@ -62,8 +71,7 @@ def quiet_libraries(own_warnings: bool = True) -> None:
     if own_warnings:  # inserted in front of the "ignore": slmedge's own warnings still show
         warnings.filterwarnings("default", module=_OURS)
     logging.getLogger().setLevel(logging.ERROR)
-    for name in _TORCH_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_torch_loggers()
     if "transformers" in sys.modules:
         from transformers.utils import logging as transformers_logging
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import os
 import sys
 from pathlib import Path
@@ -29,18 +28,11 @@ class ExecuTorchNotInstalledError(RuntimeNotInstalledError, ConfigError):
     """The executorch extra is not installed (a setting of this machine: exit 2)."""
 
 
-def quiet_torchao() -> None:
-    """torch's notice, at torchao's import, about the Enums torchao registers (nothing to act on), off
-    unless ``--debug``."""
-    from ..quiet import debugging
-
-    if not debugging():
-        logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-
-
 def require_executorch():
     """ExecuTorch's runtime bindings, or the one line that says how to install them."""
-    quiet_torchao()
+    from ..quiet import quiet_torch_loggers
+
+    quiet_torch_loggers()  # torchao, imported with executorch, makes torch log at import
     try:
         from executorch.extension.pybindings import portable_lib
     except ImportError as exc:

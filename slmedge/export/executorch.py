@@ -223,9 +223,9 @@ def inspect_executorch(path: Path) -> dict:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from ..backends.executorch import quiet_torchao
+        from ..quiet import quiet_torch_loggers
 
-        quiet_torchao()  # transformers imports torchao when it is installed
+        quiet_torch_loggers()  # transformers imports torchao when it is installed
 
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)))
