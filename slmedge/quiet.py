@@ -47,6 +47,8 @@ def debugging() -> bool:
 def set_debug() -> None:
     """``--debug``: every library speaks, here and in the processes started from here."""
     os.environ[DEBUG_ENV] = "1"
+    for name in _TORCH_LOGGERS:  # silenced when slmedge was imported (see ``slmedge/__init__.py``)
+        logging.getLogger(name).setLevel(logging.NOTSET)
 
 
 def quiet_torch_loggers() -> None:

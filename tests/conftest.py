@@ -37,6 +37,13 @@ def user_dirs(session_cache, monkeypatch, tmp_path):
     monkeypatch.setenv("SLMEDGE_CACHE_DIR", str(session_cache))
     monkeypatch.setenv("HF_HOME", str(session_cache / "hf"))
     monkeypatch.chdir(tmp_path)
+    # `slmedge --debug` run in this process (CliRunner) sets SLMEDGE_DEBUG for the process and its children
+    # for good, as a command should; a test's --debug must not make every later test (and the commands it
+    # starts) loud, so each test starts without it.
+    monkeypatch.delenv("SLMEDGE_DEBUG", raising=False)
+    from slmedge.quiet import quiet_torch_loggers
+
+    quiet_torch_loggers()
 
 
 @pytest.fixture(scope="session")
