@@ -7,6 +7,7 @@ machines) never write into the real home directory.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from platformdirs import user_cache_dir
@@ -90,3 +91,40 @@ def recorded_path(target, anchor) -> str:
     only where it is, and checked against the hash recorded beside it)."""
     rel = relative_path(target, anchor)
     return rel if rel is not None else Path(os.path.normpath(os.path.abspath(target))).name
+
+
+# An absolute path inside a text (a note, a model spec): "/" after a start, a space or an opening mark,
+# up to a space, a quote or a closing mark; trailing sentence punctuation is not part of it.
+_ABSOLUTE_IN_TEXT = re.compile(r"(?:(?<=^)|(?<=[\s'\"`(\[{=]))(/[^\s'\"`()\[\]{}<>,;]+)")
+
+
+def shareable_record(data, anchor, known=()):
+    """A results record (``evaluate --json``'s dict) as a file in the folder ``anchor`` records it for
+    others: every absolute local path in it, a value of its own or inside a note, named as
+    ``recorded_path`` names it (relative to ``anchor``, else by its name). A path is one of ``known``
+    (the model's, the reference's) or one that exists on this machine; other text stays as it is."""
+    known = sorted({os.path.normpath(str(p)) for p in known if p and os.path.isabs(str(p))}, key=len, reverse=True)
+
+    def local(path: str) -> bool:
+        return any(path == k or path.startswith(k.rstrip("/") + "/") for k in known) or os.path.lexists(path)
+
+    def text(s: str) -> str:
+        def one(m: re.Match) -> str:
+            path = m.group(1)
+            tail = ""
+            while path and path[-1] in ".:!?":  # the end of a sentence, not of the path
+                path, tail = path[:-1], path[-1] + tail
+            if len(path) < 2 or not local(path):
+                return m.group(0)
+            return recorded_path(path, anchor) + tail
+
+        return _ABSOLUTE_IN_TEXT.sub(one, s)
+
+    def walk(v):
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [walk(x) for x in v]
+        return text(v) if isinstance(v, str) else v
+
+    return walk(data)

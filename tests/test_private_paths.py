@@ -74,6 +74,11 @@ def test_nothing_written_for_others_names_the_users_home(home, tmp_path):
     cli("report", db, "--study", "paths", "-o", out / "report.html")
     cli("report", db, "--study", "paths", "--format", "md", "-o", out / "report.md")
 
+    # evaluate's --json copy: the model, its default reference (the artifact's base) and a corpus, all absolute
+    cli("evaluate", out / "art.gguf", "--metrics", "perplexity,fidelity", "--corpus", calib, "--no-wikitext",
+        "--langs", "", "--seqlen", 32, "--ppl-windows", 1, "--json", out / "results.json", "--results-db", db)
+    assert '"art.gguf"' in (out / "results.json").read_text()  # the model is still named (relative to the file)
+
     found = leaks(out, str(home), str(tmp_path), MARK, str(home.resolve()))
     assert not found, "\n".join(found)
     assert (out / "report_files").is_dir() or (out / "report.md").is_file()
@@ -133,3 +138,22 @@ def test_a_model_evaluated_in_llamacpp_keeps_its_default_reference(tmp_path, mon
         assert Path(sub.base_spec) == model
     finally:
         sub.close()
+
+
+def test_a_results_record_names_local_paths_relative_or_by_name(tmp_path):
+    """evaluate --json's record: a path of its own, one inside a note (before a full stop), a path that is
+    not on this machine left as text, a URL untouched."""
+    from slmedge.paths import shareable_record
+
+    out = tmp_path / "out"
+    (out / "m").mkdir(parents=True)
+    corpus = tmp_path / "data" / "c.txt"
+    corpus.parent.mkdir()
+    corpus.write_text("x")
+    rec = {"spec": str(out / "m"), "identity": {"path": str(out / "m"), "sha256": "ab"},
+           "notes": [f"reference {out / 'm'} (torch); corpus {corpus}.", "see https://x.org/a/b", "/no/such/place"],
+           "n": 3}
+    got = shareable_record(rec, out, [str(out / "m")])
+    assert got == {"spec": "m", "identity": {"path": "m", "sha256": "ab"},
+                   "notes": ["reference m (torch); corpus ../data/c.txt.", "see https://x.org/a/b", "/no/such/place"],
+                   "n": 3}

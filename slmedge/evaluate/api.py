@@ -288,9 +288,19 @@ class Evaluation:
         if self.json_path is None or self._copy_error is not None:
             return
         try:
-            write_json_atomic(self.json_path, self.results)
+            write_json_atomic(self.json_path, self._shareable())
         except (OSError, SlmedgeError) as exc:
             self._copy_error = exc
+
+    def _shareable(self) -> dict:
+        """The results as the ``--json`` file, which is meant for others, records them: local paths (the
+        model's, the reference's, corpora, notes naming files) relative to the file's folder or by name;
+        the results store, which stays on this machine, keeps them as they are."""
+        from ..paths import shareable_record
+
+        ident = self.results.get("identity") or {}
+        known = [ident.get("path"), self.results.get("spec"), self.sub.spec]
+        return shareable_record(self.results, self.json_path.parent, known)
 
     # --- metrics ------------------------------------------------------------------------------
 
