@@ -60,8 +60,9 @@ def list_command(wide: bool = typer.Option(False, "--wide", help="Also the runti
 @targets_app.command("show")
 @bounded(context="context")
 def show_command(name: str = typer.Argument(..., help="Target name or .toml file."),
-                 model: Optional[str] = typer.Option(None, "--model", help="A .gguf/.onnx file: project its "
-                                                     "decode and prefill rooflines on this target."),
+                 model: Optional[str] = typer.Option(None, "--model", help="A .gguf/.onnx/.pte file (or an "
+                                                     "export folder): project its decode and prefill rooflines on "
+                                                     "this target."),
                  context: Optional[int] = typer.Option(None, "--context", help="Tokens in the KV cache for the "
                                                        "projection (default: 640, or the model's positions where "
                                                        "it has fewer)."),
@@ -123,10 +124,11 @@ def _projection(prof, model: str, context: int | None) -> dict:
     path = Path(model)
     if not path.exists():  # a missing input (exit 1), not a bad setting
         raise ModelNotFoundError(f"--model {model} does not exist")
-    fmt = format_for_path(path) if path.is_file() else None
+    fmt = format_for_path(path)
     if fmt is None or get_format(fmt).model_facts is None:
         takes = " or ".join(f.suffix for f in FORMATS.values() if f.model_facts is not None and f.suffix)
-        raise ConfigError(f"--model takes a model file ({takes}); {model} is not one")
+        raise ConfigError(f"--model takes a model file ({takes}) or an export folder holding one; {model} is not one")
+    path = get_format(fmt).model_file(path)  # an export folder: the file its runtime opens
     from ..limits import check_length
     from ..models.shape import path_shape
 
@@ -141,7 +143,8 @@ def _projection(prof, model: str, context: int | None) -> dict:
     # The KV cache in the element size of the runtime that runs this format (llama.cpp: f16).
     runtime = next((s for s in RUNTIMES.values() if s.export_format == fmt), None)
     kv = kv_cache_bytes(facts.get("config") or {}, 1, runtime.kv_bytes_per_value if runtime else 4)
-    bounds = roofline(prof, model_bytes(path), kv, params, context, integer)
+    # a static KV cache (an ExecuTorch program's) is read whole at every decode step, whatever --context says
+    bounds = roofline(prof, model_bytes(path), kv, params, facts.get("kv_positions") or context, integer)
     out = set_against(bounds, None, None, measured=False)
     out["model"] = path.name
     return out

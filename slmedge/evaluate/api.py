@@ -144,14 +144,19 @@ def _corpora(settings: EvalSettings) -> dict[str, str]:
 def _model_config(sub) -> dict:
     """num_hidden_layers / num_key_value_heads / head_dim for the KV-cache size."""
     rt = sub.runtime
-    fmt = get_runtime(rt.name).export_format
-    if fmt is None:  # a model source in process
+    if get_runtime(rt.name).export_format is None:  # a model source in process
         return rt.model.config.to_dict()
+    return _file_facts(sub).get("config") or {}
+
+
+def _file_facts(sub) -> dict:
+    """An exported file's facts (``ExportFormat.model_facts``); {} where its format has none or they cannot be read."""
+    fmt = get_runtime(sub.runtime.name).export_format
     from ..export.formats import get_format
 
-    facts = get_format(fmt).model_facts
+    facts = get_format(fmt).model_facts if fmt is not None else None
     try:
-        return facts(Path(sub.file))["config"] if facts is not None else {}
+        return facts(Path(sub.file)) if facts is not None else {}
     except Exception:  # noqa: BLE001 - the KV-cache size is then left out
         return {}
 
@@ -503,7 +508,9 @@ class Evaluation:
         kv_token = kv_cache_bytes(config, 1, runtime.kv_bytes_per_value)
         qtype = str(sub.identity.get("qtype") or "")
         integer = runtime.runs_files and qtype not in ("", "f32", "f16", "fp32", "fp16", "bf16")
-        bounds = roofline(self.profile, path_bytes(sub.file), kv_token, sub.params, s.pp + s.tg // 2, integer)
+        # a static KV cache (an ExecuTorch program's) is read whole at every decode step
+        positions = _file_facts(sub).get("kv_positions") or s.pp + s.tg // 2
+        bounds = roofline(self.profile, path_bytes(sub.file), kv_token, sub.params, positions, integer)
         measured = not self.emulated and bool(self.profile.memory_bandwidth_gbs)
         return set_against(bounds, lat["decode_tps"]["median"], lat["prefill_tps"]["median"], measured)
 

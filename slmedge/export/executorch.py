@@ -150,6 +150,29 @@ def _plan_codes(plan: dict) -> list[str]:
     return coded
 
 
+def row_problem(recipe, etype: str) -> str | None:
+    """Why a study row compressed with ``recipe`` (None: the base model) cannot become a program of type
+    ``etype``, as far as the recipe tells before any work (a group's fit to the model's inputs is the
+    export's own check); None where it can."""
+    quantized = recipe is not None and (recipe.bits or recipe.grid or recipe.bpw)
+    if etype == "codes" and not quantized:
+        return "type codes keeps an artifact's codes and this row has none; use auto, fp32 or a torchao type"
+    if etype not in ("auto", "codes") or not quantized:
+        return None
+    if recipe.grid or recipe.bpw:
+        return ("a llama.cpp grid or a bits-per-weight budget has no ExecuTorch form (its codes are kept for 4-bit "
+                "groups of multiples of 32 and 8-bit channels); use type fp32 or a torchao type")
+    if recipe.bits not in (4, 8):
+        return f"{recipe.bits}-bit codes have no XNNPACK kernel (4 or 8 bits); use type fp32 or a torchao type"
+    if recipe.bits == 8 and recipe.group_size > 0:
+        return (f"XNNPACK has no kernel for 8-bit codes in groups of {recipe.group_size} (its 8-bit kernels are per "
+                "channel: group_size = -1); use type fp32 or a torchao type")
+    if recipe.group_size > 0 and recipe.group_size % XNNPACK_GROUP:
+        return (f"XNNPACK has no kernel for groups of {recipe.group_size} (a multiple of {XNNPACK_GROUP}); use type "
+                "fp32 or a torchao type")
+    return None
+
+
 def _torchao_config(group: int):
     """torchao's 8da4w at ``group``."""
     import torch
@@ -218,23 +241,46 @@ def inspect_executorch(path: Path) -> dict:
     cfg = folder / "config.json"
     manifest = read_export_manifest(folder) or {}
     manifest.pop("files", None)
-    params = 0
-    if cfg.is_file():  # the model's parameters, from its config on the meta device (nothing allocated)
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from ..quiet import quiet_torch_loggers
-
-        quiet_torch_loggers()  # transformers imports torchao when it is installed
-
-        with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)))
-        params = sum(p.numel() for p in model.parameters())
+    params = _config_params(folder)
     nbytes = (folder / PROGRAM).stat().st_size
     return {"path": str(folder), "format": "executorch",
             "architecture": json.loads(cfg.read_text(encoding="utf-8")).get("model_type") if cfg.is_file() else None,
             "file_bytes": nbytes, "params": params, "bits_per_weight": round(8 * nbytes / params, 3) if params else 0,
             "by_type": {}, "manifest": manifest or None}
+
+
+def _config_params(folder: Path) -> int:
+    """The model's parameters, from the config beside the program on the meta device (nothing
+    allocated); 0 without one."""
+    if not (folder / "config.json").is_file():
+        return 0
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..quiet import quiet_torch_loggers
+
+    quiet_torch_loggers()  # transformers imports torchao when it is installed
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)))
+    return sum(p.numel() for p in model.parameters())
+
+
+def executorch_model_facts(path) -> dict:
+    """A program's shape (the config beside it), parameters, whether it runs integer kernels (XNNPACK's
+    qd8 kernels: an artifact's codes, torchao's 8da4w) and its static KV cache's length (transformers'
+    static cache: attention reads every slot, masked, at each step), for the roofline and the report."""
+    import json
+
+    folder = _folder(path)
+    cfg = folder / "config.json"
+    config = json.loads(cfg.read_text(encoding="utf-8")) if cfg.is_file() else {}
+    config = config.get("text_config") or config  # a multimodal config's decoder (Gemma 3)
+    manifest = read_export_manifest(folder) or {}
+    context = manifest.get("context")
+    return {"config": config, "params": _config_params(folder) or None,
+            "quantized": manifest.get("type") in ("codes", *TORCHAO_TYPES),
+            # the static cache's slots (_lower: one past the context), every one read at each decode step
+            "kv_positions": int(context) + 1 if context else None}
 
 
 def _inspect_rows(info: dict) -> list[tuple[str, str]]:
@@ -248,7 +294,8 @@ def _inspect_rows(info: dict) -> list[tuple[str, str]]:
                  complete=lambda out: (Path(out) / EXPORT_MANIFEST).is_file(), read_manifest=read_export_manifest,
                  verified_manifest=lambda p: verified_export_manifest(p, "ExecuTorch"),
                  model_file=lambda p: Path(p) / PROGRAM if Path(p).is_dir() else Path(p),
-                 tokenizer="beside", packages=("executorch", "torchao"), types=TYPES, tolerances=TOLERANCES,
+                 tokenizer="beside", packages=("executorch", "torchao"), require=_require, row_problem=row_problem,
+                 types=TYPES, tolerances=TOLERANCES, model_facts=executorch_model_facts,
                  options=("block_size",), error=ExecuTorchExportError, report_rows=_report_rows,
                  inspect=inspect_executorch, inspect_rows=_inspect_rows, recognizes=lambda p: (Path(p) / PROGRAM).is_file())
 def export_executorch(source, out_dir, etype: str = "auto", exact: bool = False, verify: bool = True, *,
@@ -299,7 +346,7 @@ def export_executorch(source, out_dir, etype: str = "auto", exact: bool = False,
         from .verify import torch_model
 
         model = torch_model(src.path).eval()
-        layers = {}
+        layers, requantized = {}, 0
         if key == "codes":
             linears = _decoder_linears(model)
             for name in coded:
@@ -316,6 +363,7 @@ def export_executorch(source, out_dir, etype: str = "auto", exact: bool = False,
             from torchao.quantization import quantize_
 
             head = model.get_output_embeddings()
+            requantized = len(_decoder_linears(model))
             quantize_(model, _torchao_config(block_size),
                       filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and m is not head)
         with progress_stage("export and lower to XNNPACK"):
@@ -343,6 +391,7 @@ def export_executorch(source, out_dir, etype: str = "auto", exact: bool = False,
             "backend": "XNNPACK",
             "exact": key == "codes",
             "codes_kept": len(layers),
+            "requantized_by_torchao": requantized,  # the linears torchao quantized (8da4w)
             "layers": layers,
             "verification": verification,
             "notes": notes,

@@ -54,6 +54,12 @@ class ExportFormat:
     input_manifest: Callable[[Path], tuple[dict | None, str | None]] | None = None
     options: tuple[str, ...] = ()  # export()'s format-specific keyword arguments the writer takes
     packages: tuple[str, ...] = ()  # pip distributions its writer uses (a study's exports are rerun on a new version)
+    # () -> None: raises the one-line error (exit 2) when its writer's libraries (an extra) are not installed;
+    # a study file listing the format is refused with it before anything runs. None: nothing optional.
+    require: Callable[[], None] | None = None
+    # (recipe or None for the base model, type) -> why this format cannot write that row's model in that
+    # type, as far as the recipe tells (a study file is refused with it before anything runs); None: it can.
+    row_problem: Callable[..., str | None] | None = None
     error: type = ExportError  # what the writer raises when it cannot write as asked
     noun: str = ""  # how messages name one export (default "a <label> export")
     folder_holds: str = ""  # a folder format: what is in it (for the message refusing a file name)
@@ -66,7 +72,9 @@ class ExportFormat:
     # What evaluation and the targets ask of an output, so that none of them names a format:
     model_file: Callable[[Path], Path] = Path  # the file its runtime opens (a folder format: the one inside)
     model_files: Callable[[Path], list] = lambda p: [Path(p)]  # the files that are the model (size, copies)
-    model_facts: Callable[[Path], dict] | None = None  # (model file) -> config (HF names), params, quantized
+    # (model file) -> config (HF names), params, quantized; kv_positions where its KV cache is static (the
+    # positions every decode step reads, whatever the tokens so far: the roofline's KV term)
+    model_facts: Callable[[Path], dict] | None = None
     tokenizer: str = "beside"  # "inside": the file carries its vocabulary; "beside": tokenizer files next to it
     type_key: str = "type"  # the manifest key naming the export's type
     torch_source: bool = False  # models.source can also load it as a model (into torch)

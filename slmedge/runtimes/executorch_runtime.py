@@ -11,7 +11,8 @@ from .registry import register_runtime
 
 
 @register_runtime("executorch", export_format="executorch", suffixes=(".pte",), recognizes=is_executorch_folder,
-                  module="executorch", package="executorch", install=INSTALL, aliases=("et", "pte"), arm64="")
+                  module="executorch.extension.pybindings.portable_lib", package="executorch", install=INSTALL,
+                  aliases=("et", "pte"), arm64="")
 class ExecuTorchRuntime(Runtime):
     def __init__(self, path, threads: int | None = None):
         super().__init__(threads)

@@ -223,7 +223,9 @@ def projections(fmt: str, path: Path, context_tokens: int) -> dict:
             profile = get_profile(name, detect=False)
         except SlmedgeError:
             continue
-        bounds = roofline(profile, size, kv_token, shape.get("params"), context_tokens, integer)
+        # a static KV cache (an ExecuTorch program's) is read whole at every decode step
+        bounds = roofline(profile, size, kv_token, shape.get("params"), shape.get("kv_positions") or context_tokens,
+                          integer)
         out[name] = {k: bounds[k] for k in ("decode_bound_tps", "prefill_bound_tps") if bounds.get(k) is not None}
         out[name]["runtime"] = runtime.name
     return out

@@ -48,6 +48,8 @@
     format = "gguf"        # on [calibration]'s windows (on the base row: llama-imatrix's baseline)
     type = "iq4_xs"
     imatrix = true
+    [[exports]]            # an ExecuTorch .pte program (XNNPACK): an artifact's codes kept, the base in
+    format = "executorch"  # fp32 (type = "8da4w": torchao's own scheme); needs pip install 'slmedge[executorch]'
 
 Validated strictly before any work starts: an unknown key, a wrong type or an impossible
 combination is an error that names the file and the line.
@@ -71,7 +73,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SlmedgeError
 from ..limits import check_plain_name
 
 _TOP = {"name": str, "description": str, "models": list, "seeds": list, "targets": list, "calibration": dict,
@@ -424,6 +426,28 @@ def load_study(path) -> Study:
         if not transport_class(prof.transport).in_process and all(x.format == "none" for x in exports):
             _fail(file, lines, ("targets",), f"target '{t}' runs exported files only: add a [[exports]] with "
                   "format = \"gguf\" or \"onnx\"")
+        for i, x in enumerate(exports):  # each export's runtime, where the target can run it
+            for runtime in _format_runtimes(x.format):
+                why = transport_class(prof.transport).runtime_refusal(prof, runtime)
+                if why:
+                    _fail(file, lines, ("exports", i, "format"), f"format = \"{x.format}\": {why}")
+    for i, x in enumerate(exports):  # what a format cannot write of a row, as the row's recipe tells
+        known = get_format(x.format) if x.format not in ("none", "deployable") else None
+        if known is None or known.row_problem is None:
+            continue
+        for m in methods:
+            why = known.row_problem(None if m.is_base else Recipe(method=m.method, **m.settings), x.type)
+            if why:
+                _fail(file, lines, ("exports", i, "format"), f"[[methods]] {m.label} as format = \"{x.format}\": {why}")
+    required = set()
+    for i, x in enumerate(exports):  # what this machine lacks last (an extra a format needs), once per format
+        known = get_format(x.format) if x.format not in ("none", "deployable") else None
+        if known is not None and known.require is not None and x.format not in required:
+            required.add(x.format)
+            try:
+                known.require()
+            except SlmedgeError as exc:
+                _fail(file, lines, ("exports", i, "format"), f"format = \"{x.format}\": {exc}")
     for t in targets:
         table = f"evaluate.{t}" if t in per_target else "evaluate"
         try:
@@ -437,6 +461,15 @@ def load_study(path) -> Study:
                  targets=list(targets), calibration=calib, evaluate=ev, methods=methods, exports=exports,
                  description=data.get("description", ""), workdir=data.get("workdir", ""), per_target=per_target,
                  same_as={t: v for t, v in same_as.items() if t in targets})
+
+
+def _format_runtimes(fmt: str) -> list[str]:
+    """The runtimes that evaluate the exports ``format = fmt`` makes (none for the artifact in torch, or
+    a format no file runtime runs)."""
+    from ..runtimes.registry import RUNTIMES
+
+    formats = {f for rows in DEPLOYABLE.values() for f, _ in rows} if fmt == "deployable" else {fmt}
+    return [n for n, s in RUNTIMES.items() if s.export_format in formats]
 
 
 def _same_as(t: str, carry: dict, ev: dict, per_target: dict, targets: list, file: Path, lines: "_Lines") -> dict:

@@ -91,6 +91,29 @@ class EmulatedTransport(Transport):
         self.timeout = 6 * 3600.0
         self._manifest = manifest
 
+    @classmethod
+    def check_profile(cls, data: dict, where: str) -> None:
+        """Only runtimes the emulated environment can hold (an aarch64 build of each); by default, all of them."""
+        from ..errors import ConfigError
+        from ..runtimes.registry import get_runtime
+
+        for name in data.get("runtimes", []):
+            spec = get_runtime(name)
+            if spec.runs_files and not spec.arm64:
+                raise ConfigError(f"{where}: {_no_build(spec.name)}")
+        if "runtimes" not in data:
+            data["runtimes"] = [s.name for s in _arm64_runtimes()]
+        super().check_profile(data, where)
+
+    @classmethod
+    def runtime_refusal(cls, profile: Profile, runtime: str) -> str | None:
+        from ..runtimes.registry import get_runtime
+
+        spec = get_runtime(runtime)
+        if spec.runs_files and not spec.arm64:
+            return f"target '{profile.name}' cannot run {spec.name}: {_no_build(spec.name)}"
+        return super().runtime_refusal(profile, runtime)
+
     @property
     def where(self) -> str:
         return f"target '{self.profile.name}' (aarch64 under qemu, emulated)"
@@ -361,6 +384,12 @@ def _arm64_runtimes(how: str | None = None) -> list:
     from ..runtimes.registry import RUNTIMES
 
     return [s for s in RUNTIMES.values() if s.arm64 and (how is None or s.arm64 == how)]
+
+
+def _no_build(runtime: str) -> str:
+    """Why an emulated arm64 target has no ``runtime`` (its registration's ``arm64=""``)."""
+    return (f"no aarch64 Linux build of {runtime} exists for the emulated arm64 environment (no wheel to install, "
+            f"nothing slmedge cross-compiles); run it on cpu, or over ssh on a device where {runtime} is installed")
 
 
 # The runtimes that are cross-compiled rather than installed, and how: runtime name -> builder.

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 # What the runner needs on a target: every runtime and engine binding (numpy and one engine, no
 # torch) and the wire protocol. The targets package's own __init__ registers host-side
 # transports: an empty one there.
-_BUNDLE = ["__init__.py", "errors.py", "fsutil.py", "procs.py", "registry.py", "targets/runner.py"]
+_BUNDLE = ["__init__.py", "errors.py", "fsutil.py", "procs.py", "quiet.py", "registry.py", "targets/runner.py"]
 _BUNDLE_PACKAGES = ["backends", "runtimes"]
 _STUBS = {"slmedge/targets/__init__.py": b'"""The runner side of slmedge.targets."""\n'}
 _MAIN = "import sys\nfrom slmedge.targets.runner import main\nsys.exit(main())\n"
@@ -101,6 +101,14 @@ class Transport:
         if not cls.in_process:
             data.setdefault("runtimes", [n for n in runtime_names() if get_runtime(n).runs_files])
 
+    @classmethod
+    def runtime_refusal(cls, profile: Profile, runtime: str) -> str | None:
+        """Why ``profile`` cannot run ``runtime`` (one line), or None where it can. Asked before anything
+        is copied or started, and by a study file's check for each target and export format."""
+        if cls.in_process or runtime in profile.runtimes:
+            return None
+        return f"target '{profile.name}' offers {', '.join(profile.runtimes)}, not {runtime}"
+
     def detect(self) -> None:
         """Fill a ``detect = true`` profile from the machine it describes (cores, RAM, bandwidth)."""
 
@@ -141,8 +149,9 @@ class Transport:
     def open_runtime(self, runtime: str, path, threads: int | None, n_ctx: int) -> "Runtime":
         """``runtime`` with the model file ``path`` opened on the target: checked against the
         target's RAM before anything is copied, then placed there and served by a runner."""
-        if runtime not in self.profile.runtimes:
-            raise ConfigError(f"target '{self.profile.name}' offers {', '.join(self.profile.runtimes)}, not {runtime}")
+        why = self.runtime_refusal(self.profile, runtime)
+        if why:
+            raise ConfigError(why)
         check_fits(self.profile, Path(path))
         self.require_runtime(runtime, self.target_versions)
         remote = self.put(Path(path))
