@@ -195,3 +195,37 @@ def test_missing_executorch_is_one_line_exit_2(fp32_program, tiny_models, tmp_pa
     r = runner.invoke(app, ["export", str(tiny_models("llama")), "--format", "executorch", "-o", str(tmp_path / "o")])
     one_line_error(r, "ExecuTorch is not installed")
     assert r.exit_code == 2 and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_the_static_kv_cache_is_the_one_the_export_wrapper_allocates(et, tiny_models, model_type):
+    """The KV cache evaluate reports for a program: what transformers' export wrapper (the one ``_lower`` uses)
+    allocates for it, every layer at the program's positions (Gemma 3's sliding-window layers too)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    from slmedge.backends.executorch import cache_slots, static_kv_cache
+
+    folder = tiny_models(model_type)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static")
+    wrapped = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=cache_slots(40))
+    cache = [b for n, b in wrapped.named_buffers() if "key_cache" in n or "value_cache" in n]
+    assert cache and {b.shape[2] for b in cache} == {41}
+    assert static_kv_cache(folder, 40) == {"tokens": 41, "bytes": sum(b.numel() * b.element_size() for b in cache)}
+    assert static_kv_cache(folder / "missing", 40) is None
+
+
+def test_evaluate_reports_the_programs_static_kv_cache(fp32_program, tmp_path):
+    from slmedge.backends.executorch import static_kv_cache
+    from slmedge.evaluate.api import evaluate
+
+    folder, _ = fp32_program
+    context = json.loads((folder / "slmedge-export.json").read_text())["context"]
+    got = evaluate(str(folder), _settings(tmp_path, metrics=("memory",), memory_child=False))
+    mem = got["metrics"]["memory"]
+    assert mem["kv_cache_static"] and mem["kv_cache_tokens"] == context + 1
+    assert mem["kv_cache_bytes"] == static_kv_cache(folder, context)["bytes"] > 0
+    r = runner.invoke(app, ["evaluate", str(folder), "--metrics", "memory", "--results-db", str(tmp_path / "db")])
+    assert r.exit_code == 0, r.output
+    assert f"static: {context + 1} positions" in " ".join(r.output.split())

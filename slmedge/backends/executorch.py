@@ -55,6 +55,32 @@ def is_executorch_folder(path: Path) -> bool:
     return Path(path).is_dir() and (Path(path) / PROGRAM).is_file()
 
 
+def cache_slots(context: int) -> int:
+    """The positions each layer's static KV cache holds in a program of ``context`` positions: one more (a feed
+    of ``context`` tokens keeps the exported sequence dimension below the cache's length)."""
+    return context + 1
+
+
+def static_kv_cache(folder, context: int) -> dict | None:
+    """The KV cache inside a program of ``context`` positions whose model's ``config.json`` is in ``folder``:
+    keys and values of every layer at ``cache_slots(context)`` positions in fp32, allocated whole when the
+    program loads (transformers' export wrapper gives a sliding-window layer a full-length cache too).
+    ``{"tokens": positions, "bytes": bytes}``; None without a readable config."""
+    from transformers import AutoConfig
+    from transformers.configuration_utils import get_head_shapes
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder)).get_text_config()
+        kv_heads, head_dim = get_head_shapes(config)  # an int each, or one per layer
+        layers = int(config.num_hidden_layers)
+    except (OSError, ValueError, AttributeError, TypeError, ZeroDivisionError):
+        return None
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    head_dim = head_dim if isinstance(head_dim, list) else [head_dim] * layers
+    slots = cache_slots(context)
+    return {"tokens": slots, "bytes": sum(2 * h * d * slots * 4 for h, d in zip(kv_heads, head_dim))}
+
+
 @contextlib.contextmanager
 def _native_log_off():
     """ExecuTorch's C++ log lines (cpuinfo's probes, a bad file's reasons) written to fd 2 while a program

@@ -64,7 +64,9 @@ def print_results(res: dict) -> None:
         t.add_row("file size", _mb(r["file_bytes"]))
         if r.get("bits_per_weight"):
             t.add_row("bits per weight", f"{r['bits_per_weight']:.3f}")
-        t.add_row(f"KV cache at {r['context']} tokens", _mb(r["kv_cache_bytes"]))
+        tokens = r.get("kv_cache_tokens", r["context"])
+        t.add_row(f"KV cache, static: {tokens} positions in the program" if r.get("kv_cache_static") else
+                  f"KV cache at {tokens} tokens", _mb(r["kv_cache_bytes"]))
         if "peak_rss_bytes" in r:
             t.add_row("peak RSS (child process)", _mb(r["peak_rss_bytes"]))
         console.print(t)

@@ -456,10 +456,15 @@ class Evaluation:
         sub, s = self.sub, self.settings
         size = path_bytes(sub.file)
         config = _model_config(sub)
+        # A program that holds its KV cache whole (ExecuTorch's static cache) has it at its own positions,
+        # whatever the context; the others' grows to the context.
+        static = sub.runtime.static_kv_cache()
         kv_bytes_per_value = get_runtime(sub.runtime.name).kv_bytes_per_value
         out = {"file_bytes": size, "params": sub.params,
                "bits_per_weight": (8 * size / sub.params) if size and sub.params else None,
-               "kv_cache_bytes": kv_cache_bytes(config, s.context, kv_bytes_per_value), "context": s.context}
+               "kv_cache_bytes": static["bytes"] if static else kv_cache_bytes(config, s.context, kv_bytes_per_value),
+               "kv_cache_tokens": static["tokens"] if static else s.context, "kv_cache_static": bool(static),
+               "context": s.context}
         if s.memory_child:
             transport = sub.runtime.transport
             if transport is not None:  # measured on the target, in a fresh runner
@@ -471,7 +476,7 @@ class Evaluation:
         self.results["metrics"]["memory"] = out
         self._row("file_bytes", size, "", None, "bytes")
         self._row("bits_per_weight", out["bits_per_weight"], "", None, "bits")
-        self._row("kv_cache_bytes", out["kv_cache_bytes"], f"ctx{s.context}", None, "bytes")
+        self._row("kv_cache_bytes", out["kv_cache_bytes"], f"ctx{out['kv_cache_tokens']}", None, "bytes")
         if "peak_rss_bytes" in out:
             self._row("peak_rss_bytes", out["peak_rss_bytes"], "", None, "bytes")
 

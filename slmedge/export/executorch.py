@@ -197,10 +197,12 @@ def _lower(model, context: int):
     from transformers import GenerationConfig
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
+    from ..backends.executorch import cache_slots
+
     model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static")
     # One cache slot more than the context: a feed of ``context`` tokens (the static cache's Dim must stay
     # below its length) at positions 0..context-1.
-    wrapped = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=context + 1)
+    wrapped = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=cache_slots(context))
     seq = torch.export.Dim("seq", min=1, max=context)
     ids = torch.zeros((1, 4), dtype=torch.long)
     with torch.no_grad():

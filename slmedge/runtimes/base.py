@@ -188,6 +188,11 @@ class Runtime(ABC):
         """What a target's runner reports about the opened model (runtimes add their own facts)."""
         return {"vocab_size": self.vocab_size}
 
+    def static_kv_cache(self) -> dict | None:
+        """A KV cache the opened model holds whole, whatever the context (``{"tokens", "bytes"}``: ExecuTorch's
+        static cache); None where it grows with the context (estimated from the config at the context)."""
+        return None
+
     def close(self) -> None:
         pass
 

@@ -5,7 +5,7 @@ runtime for it (``arm64=""``)."""
 
 from __future__ import annotations
 
-from ..backends.executorch import INSTALL, EtDecoder, is_executorch_folder
+from ..backends.executorch import INSTALL, EtDecoder, is_executorch_folder, static_kv_cache
 from .base import Runtime
 from .registry import register_runtime
 
@@ -29,6 +29,10 @@ class ExecuTorchRuntime(Runtime):
 
     def runner_info(self) -> dict:
         return {"vocab_size": self.vocab_size, "context": self.decoder.max_tokens, "backend": "XNNPACK"}
+
+    def static_kv_cache(self) -> dict | None:
+        """The program's KV cache: every layer at its positions (read from the program), the config beside it."""
+        return static_kv_cache(self.path.parent, self.decoder.max_tokens)
 
     def logits(self, ids):
         return self.decoder.logits(list(ids))
