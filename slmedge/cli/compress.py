@@ -77,8 +77,12 @@ def print_summary(outcome, as_json: bool = False) -> None:
     table.add_row("architecture", outcome.manifest["architecture"])
     table.add_row("compressed linears", f"{s['compressed_linears']} ({s['compressed_parameters']:,} of {s['parameters']:,} parameters)")
     if s["bits_per_weight"] is not None:
-        what = "GGUF blocks: codes + scales" if outcome.manifest.get("recipe", {}).get("grid") or \
-            outcome.manifest.get("recipe", {}).get("bpw") else "codes + fp16 scales + zero points"
+        from ..compress.layouts import is_layout_name
+
+        rec = outcome.manifest.get("recipe", {})
+        what = ("ONNX MatMulNBits: codes + fp32 scales + zero points" if rec.get("bpw") and rec.get("bpw_grids")
+                and all(map(is_layout_name, rec["bpw_grids"])) else "GGUF blocks: codes + scales"
+                if rec.get("grid") or rec.get("bpw") else "codes + fp16 scales + zero points")
         table.add_row("bits per compressed weight", f"{s['bits_per_weight']:.3f} ({what})")
     if len(s.get("grids") or {}) > 1:  # the grids the linears went on, when not one
         table.add_row("grids", ", ".join(f"{g} on {u['linears']} linear{'s' * (u['linears'] != 1)} "
@@ -118,8 +122,8 @@ def compress_command(
     group_size: int = typer.Option(128, "--group-size", "-g", help="Columns per scale; -1 for per-channel. A last, shorter group is handled."),
     symmetric: bool = typer.Option(False, "--sym/--asym", help="Symmetric (zero point 2^(b-1)) or asymmetric grid."),
     grid: Optional[str] = typer.Option(None, "--grid", help=GRID_HELP),
-    bpw: Optional[float] = typer.Option(None, "--bpw", help="Mix llama.cpp's grids to this many bits per weight of the compressed linears (codes and scales as GGUF stores them), each linear's grid from measured sensitivity; lands within 1% below it."),
-    bpw_grids: Optional[str] = typer.Option(None, "--bpw-grids", help="With --bpw: the grids the budget may choose among, comma-separated (e.g. q3_k,iq4_xs,q4_k,q5_k,q6_k); rows a grid's super-blocks do not divide take llama.cpp's fallback for it. Default: all."),
+    bpw: Optional[float] = typer.Option(None, "--bpw", help="Mix llama.cpp's grids (or, with ONNX layouts in --bpw-grids, onnxruntime's MatMulNBits layouts) to this many bits per weight of the compressed linears (as the GGUF or ONNX file stores them), each linear's choice from measured error weighted by its reach into the residual stream; lands within 1% below it."),
+    bpw_grids: Optional[str] = typer.Option(None, "--bpw-grids", help="With --bpw: what the budget may choose among, comma-separated. llama.cpp grids for GGUF (e.g. q3_k,iq4_xs,q4_k,q5_k,q6_k; rows a grid's super-blocks do not divide take llama.cpp's fallback for it; default: all), or ONNX MatMulNBits layouts int4-gB/int8-gB with B in 16,32,64,128,256 and an optional -sym/-asym (int4: zero points unless -sym; int8: none unless -asym; a layout is used where B divides the rows; 'onnx' = int4-g32-sym,int4-g32,int4-g64,int4-g128,int8-g32,int8-g64,int8-g128), e.g. int4-g32,int4-g128,int8-g32; export with slmedge export --format onnx --exact."),
     importance: Optional[bool] = typer.Option(None, "--importance/--no-importance", help="On a llama.cpp grid: weigh each weight by its input channel's mean square over the calibration text when searching scales (default: GPTQ/AWQ/Wanda do, RTN does not; --importance makes RTN calibrate)."),
     sparsity: Optional[str] = typer.Option(None, "--sparsity", "-s", help="Pruning: a ratio in [0, 1) or N:M (N zeros in every M weights), e.g. 0.5 or 2:4."),
     calibration: str = typer.Option(DEFAULT_CALIBRATION, "--calibration", "-c", help="c4, multilingual[:LANGS], a .txt/.jsonl file, hf:DATASET[:CONFIG][:SPLIT], or several joined by + (a mix: c4+multilingual)."),
@@ -162,6 +166,8 @@ def compress_command(
       # mixed grids to 4.8 bits per weight; K-quants only:
       slmedge compress MODEL --method awq --bpw 4.8
       slmedge compress MODEL --method gptq --bpw 4.9 --bpw-grids q4_k,q5_k,q6_k
+      # onnxruntime MatMulNBits layouts (4/8-bit) to 5 bits per weight:
+      slmedge compress MODEL --method gptq --bpw 5 --bpw-grids onnx
     """
     from ..compress.api import compress
 

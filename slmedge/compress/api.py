@@ -16,6 +16,7 @@ from ..paths import shareable_source
 from ..progress import stage as progress_stage
 from .artifact import MANIFEST, Artifact, CompactWeights, source_dtypes, write_artifact
 from .engine import CompressionResult, compress_model, is_skipped, resolve_device
+from .layouts import layout_of
 from .methods import get_method
 from .recipe import Recipe
 
@@ -92,6 +93,8 @@ def check_compatible(loaded: LoadedModel, recipe: Recipe) -> None:
         from ..models.grids import GRIDS, grid_for_width
 
         for name, cols in widths.items():
+            if recipe.on_layouts:  # a layout fits where its block divides the rows: check_budget
+                break
             for grid in ([recipe.grid] if recipe.grid is not None else list(recipe.bpw_grids or GRIDS)):
                 try:
                     grid_for_width(grid, cols)
@@ -167,7 +170,8 @@ def check_compress_bounds(model, recipe: Recipe, revision=None, device=None, opt
 
 def grid_use(result: CompressionResult, recipe: Recipe) -> tuple[dict, dict | None]:
     """On llama.cpp's grids: the grids the linears went on (name -> linears, bits per weight as GGUF
-    stores it), and, with one ``--grid``, llama.cpp's fallback where the grid's super-blocks did not
+    stores it; for an ONNX budget its MatMulNBits layouts, bits as the ONNX file stores them), and,
+    with one ``--grid``, llama.cpp's fallback where the grid's super-blocks did not
     divide a linear's rows (the grid it fell back to, the linears by name with their block's number
     as ``*``, how many of how many, why); ({}, None) on the uniform grid."""
     from ..models.grids import GRIDS, Grid
@@ -179,6 +183,16 @@ def grid_use(result: CompressionResult, recipe: Recipe) -> tuple[dict, dict | No
         if isinstance(res.spec, Grid):
             entry = used.setdefault(res.spec.name, {"linears": 0, "bits_per_weight": round(res.spec.bits_per_weight, 4)})
             entry["linears"] += 1
+        elif recipe.on_layouts and layout_of(res.spec) is not None:  # an ONNX budget's MatMulNBits layouts
+            c = result.counts.get(name)
+            entry = used.setdefault(layout_of(res.spec).name, {"linears": 0, "bits": 0, "weights": 0})
+            entry["linears"] += 1
+            entry["bits"] += c["onnx_bits"] if c else 0
+            entry["weights"] += c["quantized"] if c else 0
+    for entry in used.values():  # a layout's bits per weight depend on the widths: those of its linears
+        if "weights" in entry:
+            weights, bits = entry.pop("weights"), entry.pop("bits")
+            entry["bits_per_weight"] = round(bits / weights, 4) if weights else None
     fell = sorted(n for n, r in result.layers.items() if isinstance(r.spec, Grid) and recipe.grid is not None
                   and r.spec.name != recipe.grid)
     if not fell:
@@ -202,7 +216,8 @@ def summarize(model, result: CompressionResult, recipe: Recipe) -> dict:
     kept = sum(c["kept"] for c in counts)
     masked = sum(c["masked"] for c in counts)
     quantized = sum(c["quantized"] for c in counts)
-    bits = sum(c["code_bits"] for c in counts)
+    # an ONNX budget counts bits as MatMulNBits stores them (fp32 scales); otherwise codes + fp16 scales
+    bits = sum(c.get("onnx_bits", c["code_bits"]) if recipe.on_layouts else c["code_bits"] for c in counts)
     grids, fallback = grid_use(result, recipe)
     headline = recipe.describe()
     if fallback is not None:  # the headline says what the codes are on

@@ -24,6 +24,7 @@ from ..fsutil import memory_available
 from ..models.architectures import Architecture
 from .blocks import BlockInputs, run_block
 from .hooks import StopForward, linear_inputs, module_calls
+from .layouts import Layout, layout_of
 from .methods import get_method
 from .methods.base import InputNormStats, LinearResult
 from .recipe import Recipe
@@ -64,6 +65,9 @@ def layer_counts(res: LinearResult) -> dict:
             groups = res.scales.shape[1]
             zero_bits = 0 if res.spec.symmetric else res.spec.bits
             out["code_bits"] = res.codes.numel() * res.spec.bits + rows * groups * (16 + zero_bits)
+            layout = layout_of(res.spec)
+            if layout is not None:  # as MatMulNBits stores it (what an ONNX budget counts)
+                out["onnx_bits"] = layout.linear_bits(rows, res.codes.shape[1])
     return out
 
 
@@ -421,7 +425,8 @@ def output_reach(layer, todo: dict, batches: list, kwargs_of, seed: int) -> dict
 
 @torch.no_grad()
 def budget_grids(model, arch: Architecture, recipe: Recipe, inputs: BlockInputs, device, progress=None) -> dict:
-    """The llama.cpp grid of every compressed linear for ``recipe.bpw`` (``compress.budget``): one pass of
+    """The llama.cpp grid (or, for an ONNX budget, the MatMulNBits layout's ``QuantSpec``) of every compressed
+    linear for ``recipe.bpw`` (``compress.budget``): one pass of
     the uncompressed model over the calibration data measures each linear's input mean squares and, from
     them, the noise-to-signal ratio of its output on each grid, weighted by how much of the residual
     stream its output moves (``output_reach``); the allocation then picks the grids. Each block is
@@ -459,10 +464,13 @@ def budget_grids(model, arch: Architecture, recipe: Recipe, inputs: BlockInputs,
         measure(arch.lm_head, head.weight.data.float(), stats)  # its output is the logits: the ratio as it is
     picked = allocate(shapes, errors, recipe.bpw)
     if picked is None:  # check_budget refused what no choice reaches: this is not expected
-        raise ConfigError(f"no choice of llama.cpp's grids lands within the budget of {recipe.bpw:g} bits per weight")
-    from ..models.grids import GRIDS
+        raise ConfigError(f"no choice of {'the ONNX layouts' if recipe.on_layouts else 'llama.cpp grids'} lands "
+                          f"within the budget of {recipe.bpw:g} bits per weight")
+    from .budget import choice
 
-    return {name: GRIDS[g] for name, g in picked.items()}
+    # a layout's uniform grid (QuantSpec) is what the method rounds onto and the artifact keeps
+    chosen = {name: choice(g) for name, g in picked.items()}
+    return {name: c.spec if isinstance(c, Layout) else c for name, c in chosen.items()}
 
 
 def _shortcuts_fit(layer, groups, inputs: BlockInputs, device) -> bool:

@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from ..limits import LIMITS
 from ..data import DEFAULT_CALIBRATION
 from ..models.grids import GRIDS
+from . import layouts
 from .methods import METHODS, get_method
 from .quant import QuantSpec
 from .sparsity import Sparsity
@@ -60,6 +61,8 @@ class Recipe:
     bpw: float | None = None
     # The grids a budget may choose among (each, or llama.cpp's fallback where its super-blocks do not
     # divide a linear's rows); None: all of them. E.g. ("q4_k", "q5_k", "q6_k") for K-quants only.
+    # Or onnxruntime's MatMulNBits layouts (compress.layouts: "int4-g32", "int8-g128", ...; "onnx": a
+    # default set): a budget for ONNX, sizes as the ONNX file stores them, codes on the uniform grid.
     bpw_grids: tuple[str, ...] | None = None
     # Whether the grid's scale search weighs each weight by its input channel's mean square over the
     # calibration tokens. None: the method's own statistics where it has them (GPTQ's Hessian diagonal,
@@ -106,6 +109,11 @@ class Recipe:
     def on_grid(self) -> bool:
         """Whether the linears go on llama.cpp's grids (one, or a mix to a budget) rather than the uniform one."""
         return self.grid is not None or self.bpw is not None
+
+    @property
+    def on_layouts(self) -> bool:
+        """Whether a budget picks among onnxruntime's MatMulNBits layouts (``compress.layouts``) for ONNX."""
+        return self.bpw is not None and bool(self.bpw_grids) and all(map(layouts.is_layout_name, self.bpw_grids))
 
     @property
     def quantizes(self) -> bool:
@@ -248,10 +256,18 @@ class Recipe:
                 raise ConfigError(f"bpw_grids (--bpw-grids) must be grid names, got {shown!r}")
             if not names:
                 raise ConfigError(f"bpw_grids (--bpw-grids) names no grid: give some of {', '.join(GRIDS)}, "
-                                  "comma-separated")
-            unknown = [n for n in names if n not in GRIDS]
+                                  f"or ONNX layouts ({layouts.FORM}; {layouts.ALIAS}: all), comma-separated")
+            onnx = [n for n in names if layouts.is_layout_name(n)]
+            if onnx and len(onnx) < len(names):
+                other = next(n for n in names if not layouts.is_layout_name(n))
+                raise ConfigError(f"bpw_grids mixes ONNX layouts ({onnx[0]}) and llama.cpp grids ({other}): a budget "
+                                  "is for one format; give layouts for ONNX or grids for GGUF")
+            if onnx:
+                names = self.bpw_grids = layouts.layout_names(names)  # canonical spelling; ConfigError if unknown
+            unknown = [n for n in names if n not in GRIDS and not onnx]
             if unknown:
-                raise ConfigError(f"bpw_grids: unknown grid {unknown[0]!r}; choose among: {', '.join(GRIDS)}")
+                raise ConfigError(f"bpw_grids: unknown grid {unknown[0]!r}; choose among: {', '.join(GRIDS)} "
+                                  f"(or ONNX layouts: {layouts.FORM})")
             if len(set(names)) != len(names):
                 raise ConfigError(f"bpw_grids names a grid twice: {', '.join(names)}")
             if self.bpw is None:
