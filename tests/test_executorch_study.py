@@ -184,8 +184,6 @@ def test_ssh_runs_a_pte_where_the_device_has_executorch_like_local(et_study, ssh
     work = _ssh_profile(tmp_path / "profiles", sshd)
     prof = tmp_path / "profiles" / "ssh-localhost.toml"
     prof.write_text(prof.read_text().replace('runtimes = ["llama.cpp", "onnxruntime"]', 'runtimes = ["executorch"]'))
-    res = runner.invoke(app, ["targets", "check", "ssh-localhost"])
-    assert res.exit_code == 0 and "runtime executorch" in res.output, res.output
     folder = _program(et_study)
     settings = dict(metrics=("perplexity", "tasks", "latency"))
     local = evaluate(str(folder), _settings(tmp_path, **settings))
@@ -196,7 +194,7 @@ def test_ssh_runs_a_pte_where_the_device_has_executorch_like_local(et_study, ssh
     assert [t["acc"] for t in remote["metrics"]["tasks"].values()] == \
         [t["acc"] for t in local["metrics"]["tasks"].values()]
     assert remote["metrics"]["latency"]["decode_tps"]["median"] > 0
-    assert remote["versions"]["target"]["executorch"]
+    assert remote["versions"]["target"]["executorch"]  # what the runner found there (`targets check` shows it)
     assert [p.name for p in work.rglob("*.pte")] == ["model.pte"]  # the program travelled; the tokenizer stays here
 
 
