@@ -46,33 +46,86 @@ def _slug(text: str) -> str:
 
 
 def _provenance(store, rows: list[dict], meta: dict, store_path: Path) -> list[str]:
+    """How the page's rows were measured. ``meta["studies"]``: per study, its ``study_file``, ``commit``
+    and ``command`` (one line each); without it, ``meta``'s own keys describe the one study."""
+    def span(ids):
+        marks = ",".join("?" * len(ids))
+        return store.db.execute(f"SELECT MIN(started_at), MAX(COALESCE(finished_at, started_at)) FROM runs "
+                                f"WHERE id IN ({marks})", ids).fetchone()
+
     ids = [r["run_id"] for r in rows]
     marks = ",".join("?" * len(ids))
-    first, last = store.db.execute(f"SELECT MIN(started_at), MAX(COALESCE(finished_at, started_at)) FROM runs "
-                                   f"WHERE id IN ({marks})", ids).fetchone()
     versions: dict[str, set] = {}
     for (text,) in store.db.execute(f"SELECT versions FROM runs WHERE id IN ({marks})", ids):
         for k, v in json.loads(text).items():
             if k in ("slmedge", "torch", "transformers", "llama_cpp_python", "onnxruntime", "python"):
                 versions.setdefault(k, set()).add(str(v))
-    studies = sorted({r["study"] for r in rows if r["study"]}) or ["(plain evaluations, no study)"]
+    studies = sorted({r["study"] for r in rows if r["study"]})
     digest = hashlib.sha256(store_path.read_bytes()).hexdigest()[:16]
-    lines = [f"- **Study**: {', '.join(studies)}" + (f" (`{meta['study_file']}`)" if meta.get("study_file") else "")
-             + f"; {len(rows)} evaluations"
-             + (f" ({meta['evaluations_left_out']} that failed or did not finish left out)"
-                if meta.get("evaluations_left_out") else "") + ".",
-             f"- **Run**: {first} to {last} (UTC), on {meta.get('machine') or 'a machine the store does not name'}"
-             + (f", code at {meta['commit']}" if meta.get("commit") else "") + ".",
-             "- **Versions**: " + ", ".join(f"{k} {'/'.join(sorted(v))}" for k, v in sorted(versions.items())) + ".",
-             f"- **Store**: `{store_path.relative_to(ROOT) if store_path.is_relative_to(ROOT) else store_path}` "
-             f"(sha256 {digest}...); the same tables and plots as one HTML file: "
-             f"`slmedge report {store_path.relative_to(ROOT) if store_path.is_relative_to(ROOT) else store_path} "
-             f"-o report.html`."]
-    if meta.get("command"):
+    where = store_path.relative_to(ROOT) if store_path.is_relative_to(ROOT) else store_path
+    left = (f" ({meta['evaluations_left_out']} that failed or did not finish left out)"
+            if meta.get("evaluations_left_out") else "")
+    machine = meta.get("machine") or "a machine the store does not name"
+    per = meta.get("studies") or {}
+    if per:
+        lines = [f"- **Evaluations**: {len(rows)}{left}."]
+        for st in studies:
+            info, mine = per.get(st, {}), [r for r in rows if r["study"] == st]
+            models = ", ".join(dict.fromkeys((meta.get("model_names") or {}).get(m, m)
+                                            for m in (str(r["labels"].get("model")) for r in mine)))
+            first, last = span([r["run_id"] for r in mine])
+            lines.append(f"- **Study {st}**" + (f" (`{info['study_file']}`)" if info.get("study_file") else "")
+                         + f": {len(mine)} evaluations of {models}, {first} to {last} (UTC), on "
+                         + (info.get("machine") or machine)
+                         + (f", code at {info['commit']}" if info.get("commit") else "")
+                         + (f"; made with `{info['command']}`" if info.get("command") else "") + ".")
+    else:
+        first, last = span(ids)
+        lines = [f"- **Study**: {', '.join(studies) or '(plain evaluations, no study)'}"
+                 + (f" (`{meta['study_file']}`)" if meta.get("study_file") else "") + f"; {len(rows)} evaluations"
+                 + left + ".",
+                 f"- **Run**: {first} to {last} (UTC), on {machine}"
+                 + (f", code at {meta['commit']}" if meta.get("commit") else "") + "."]
+    lines += ["- **Versions**: " + ", ".join(f"{k} {'/'.join(sorted(v))}" for k, v in sorted(versions.items())) + ".",
+              f"- **Store**: `{where}` (sha256 {digest}...); the same tables and plots as one HTML file: "
+              f"`slmedge report {where} -o report.html`."]
+    if meta.get("command") and not per:
         lines.append(f"- **Made with**: `{meta['command']}`.")
     if meta.get("notes"):
         lines += [f"- {n}" for n in meta["notes"]]
     return lines
+
+
+def from_studies(rows: list[dict], chosen: dict, kept: dict | None = None) -> list[dict]:
+    """The rows to show. A model that ``store.json``'s ``model_studies`` names is measured again by that
+    study (e.g. Gemma 3 with BOS): its section holds that study's rows only. Its rows from other studies
+    are dropped, or, where ``kept`` (``superseded_kept``) names the model, shown in a section of their
+    own after it, under the model key ``MODEL@STUDY`` (named and annotated in ``model_names`` and
+    ``model_notes`` by that key): the earlier measurement, while the new one does not yet cover every
+    row. A named study that holds no rows of its model is an error, never a silent fall-back."""
+    kept = kept or {}
+    for model, st in chosen.items():
+        if any(str(r["labels"].get("model")) == model for r in rows) and \
+                not any(str(r["labels"].get("model")) == model and r.get("study") == st for r in rows):
+            raise SystemExit(f"error: store.json's model_studies names study '{st}' for {model}, "
+                             "and the store holds no finished evaluation of it")
+    out, earlier = [], []
+    for r in rows:
+        model = str(r["labels"].get("model"))
+        if chosen.get(model, r.get("study")) == r.get("study"):
+            out.append(r)
+        elif model in kept:
+            earlier.append({**r, "labels": {**r["labels"], "model": f"{model}@{r.get('study')}"}})
+    # each earlier section right after its model's
+    order = list(dict.fromkeys(str(r["labels"].get("model")) for r in out))
+    place = {m: i for i, m in enumerate(order)}
+    out.sort(key=lambda r: place[str(r["labels"].get("model"))])
+    for r in earlier:
+        model = str(r["labels"]["model"]).split("@", 1)[0]
+        last = max((i for i, x in enumerate(out) if str(x["labels"].get("model")).split("@", 1)[0] == model),
+                   default=len(out) - 1)
+        out.insert(last + 1, r)
+    return out
 
 
 def build(store_path: Path, out: Path, study: str | None, meta: dict) -> dict:
@@ -81,7 +134,8 @@ def build(store_path: Path, out: Path, study: str | None, meta: dict) -> dict:
 
     store = ResultsStore(store_path, readonly=True)
     try:
-        rows = report.load_rows(store, study)
+        rows = from_studies(report.load_rows(store, study), meta.get("model_studies") or {},
+                           meta.get("superseded_kept") or {})
         if not rows:
             raise SystemExit(f"error: {store_path} holds no finished evaluations")
         meta = {**meta, "evaluations_left_out": report.left_out(store, study)}

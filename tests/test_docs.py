@@ -205,6 +205,28 @@ def test_the_results_page_is_what_its_command_makes_from_the_store(tmp_path):
 PLOTS_FOREIGN = "front.png"
 
 
+def test_a_model_measured_again_shows_only_its_new_studys_rows():
+    """store.json's model_studies: that model's rows come from the named study alone (the grid measured
+    again), other models' from wherever they are; a named study with no rows of its model stops the
+    script rather than showing the old rows."""
+    dr = _docs_results()
+
+    def row(model, study, method):
+        return {"labels": {"model": model, "method": method}, "study": study}
+
+    rows = [row("a", "grid", "base"), row("b", "grid", "base"), row("b", "grid", "awq"), row("b", "again", "base"),
+            row("b", "again", "awq")]
+    kept = dr.from_studies(rows, {"b": "again"})
+    assert [(r["labels"]["model"], r["study"]) for r in kept] == [("a", "grid"), ("b", "again"), ("b", "again")]
+    assert dr.from_studies(rows, {}) == rows
+    # the earlier rows kept, in a section of their own right after the model's new one
+    kept = dr.from_studies([*rows[1:], rows[0]], {"b": "again"}, ["b"])
+    assert [(r["labels"]["model"], r["study"]) for r in kept] == [
+        ("b", "again"), ("b", "again"), ("b@grid", "grid"), ("b@grid", "grid"), ("a", "grid")]
+    with pytest.raises(SystemExit, match="model_studies names study 'later' for b"):
+        dr.from_studies(rows, {"b": "later"})
+
+
 def test_the_command_lines_shown_that_read_nothing_of_yours_run(monkeypatch):
     """The lines that need no model or file of the reader's (listing methods, targets, data, a
     profile) are run as shown: exit 0."""
@@ -322,7 +344,11 @@ def test_the_results_page_reads_as_a_report():
         if not inside:
             assert len(head) <= 9 and max(len(r[0]) for r in data) <= 24, head
     assert text.count("without the BOS") + text.count("without BOS") >= 1
-    assert text.count("> **Caveat.**") == 1
+    # each section's caveat (store.json's model_notes) stated once, at its section
+    meta = json.loads((DOCS / "results" / "store.json").read_text(encoding="utf-8"))
+    names = meta.get("model_names") or {}
+    shown = [k for k in meta.get("model_notes") or {} if f"\n## {names.get(k, k)}\n" in text]
+    assert shown and text.count("> **Caveat.**") == len(shown), shown
 
 
 # --- example output -----------------------------------------------------------------------------------
