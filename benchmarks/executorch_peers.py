@@ -171,7 +171,7 @@ def lowering_check(peer: str, group: int, width: int) -> str | None:
     log(f"lowering check {peer} group {group}: max |diff| {err:.3g} of the output's largest value")
     if err > 0.05:
         return (f"executorch's XNNPACK lowering of torchao's {peer} (group {group}) disagrees with torch on one "
-                f"linear: max |diff| {err:.0%} of the output's largest value")
+                f"linear: max |diff| {err:.3g} x the output's largest value")
     return None
 
 
