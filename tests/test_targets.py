@@ -88,6 +88,24 @@ def test_unknown_target_is_one_clear_error(exports, tmp_path):
     one_line_error(res, "unknown target 'atlantis'", "cpu")
 
 
+def test_a_runtime_the_gpu_target_does_not_list_is_refused(exports, tmp_path):
+    """The cuda transport (a GPU in this process) refuses, before anything opens, a file whose runtime
+    its profile does not list (ExecuTorch's bindings and onnxruntime-genai run on the CPU here), instead
+    of running it on this machine's CPU under the GPU's name; no GPU is needed to say so. A CPU target
+    runs any runtime installed."""
+    prof = tmp_path / "gpu-like.toml"
+    prof.write_text('name = "gpu-like"\ntransport = "cuda"\ndetect = false\nthreads = 1\n'
+                    'runtimes = ["torch", "llama.cpp"]\n')
+    res = runner.invoke(app, ["evaluate", exports["onnxruntime"], "--target", str(prof), "--metrics", "memory",
+                              "--results-db", str(tmp_path / "db")])
+    one_line_error(res, "target 'gpu-like' offers torch, llama.cpp, not onnxruntime", "--target cpu")
+    cpu = tmp_path / "cpu-like.toml"
+    cpu.write_text(prof.read_text().replace('"cuda"', '"local"').replace("gpu-like", "cpu-like"))
+    res = runner.invoke(app, ["evaluate", exports["onnxruntime"], "--target", str(cpu), "--metrics", "memory",
+                              "--results-db", str(tmp_path / "db")])
+    assert res.exit_code == 0, res.output
+
+
 def test_roofline_bounds_and_fractions():
     prof = Profile(name="t", transport="local", memory_bandwidth_gbs=10.0, peak_fp32_gflops=100.0,
                    peak_int8_gops=400.0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import ConfigError
 from ..limits import check_length, check_memory, check_threads
 from ..models.shape import ModelShape, model_shape
 from ..runtimes.registry import get_runtime
@@ -127,5 +128,10 @@ def check_evaluation_bounds(spec, settings, profile, cli: bool = False) -> Model
     check_lengths(settings, shape, cli)
     if settings.reference and "fidelity" in settings.metrics:
         check_lengths(settings, model_shape(str(settings.reference)), cli)
-    check_memory_fits(shape, settings, planned_runtime(spec, settings, profile), profile, cli)
+    runtime = planned_runtime(spec, settings, profile)
+    transport = transport_class(profile.transport)
+    why = transport.runtime_refusal(profile, runtime) if transport.in_process else None  # the others: on opening
+    if why:
+        raise ConfigError(f"{why}: evaluate this model with --target cpu")
+    check_memory_fits(shape, settings, runtime, profile, cli)
     return shape

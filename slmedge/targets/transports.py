@@ -104,8 +104,11 @@ class Transport:
     @classmethod
     def runtime_refusal(cls, profile: Profile, runtime: str) -> str | None:
         """Why ``profile`` cannot run ``runtime`` (one line), or None where it can. Asked before anything
-        is copied or started, and by a study file's check for each target and export format."""
-        if cls.in_process or runtime in profile.runtimes:
+        is copied or started, and by a study file's check for each target and export format. This machine's
+        CPU runs whatever runtime is installed (a plugin's too); an accelerator in this process refuses a
+        runtime its profile does not list (ExecuTorch's bindings, onnxruntime-genai's CPU build on the cuda
+        target), which would run on the CPU under the target's name."""
+        if runtime in profile.runtimes or (cls.in_process and cls.torch_device == "cpu"):
             return None
         return f"target '{profile.name}' offers {', '.join(profile.runtimes)}, not {runtime}"
 
