@@ -12,7 +12,11 @@ README: each file's perplexity against its size on the first model, coloured by 
 
 To show another study: run it (``slmedge study scripts/studies/seed.toml --results-db
 docs/results/store.sqlite``, or copy its store there), describe it in ``store.json``, run this
-script, commit the three. ``--store``, ``--out`` and ``--study`` point elsewhere.
+script, commit the three. ``--store``, ``--out`` and ``--study`` point elsewhere. A model measured
+again by another study in the same store (Gemma 3 with BOS: ``scripts/studies/seed-grid-gemma3.toml``):
+``store.json``'s ``model_studies`` ({model: study}) shows that study's rows for it; while that study is
+unfinished, ``superseded_kept`` ([model]) keeps the earlier rows in a section of their own after it;
+``studies`` ({study: {study_file, machine, commit, command}}) says how each study was run.
 
 Files are replaced only when this script wrote them (listed in ``docs/results/plots.json``); the
 page is written under a temporary name and renamed into place.
@@ -75,7 +79,7 @@ def _provenance(store, rows: list[dict], meta: dict, store_path: Path) -> list[s
                                             for m in (str(r["labels"].get("model")) for r in mine)))
             first, last = span([r["run_id"] for r in mine])
             lines.append(f"- **Study {st}**" + (f" (`{info['study_file']}`)" if info.get("study_file") else "")
-                         + f": {len(mine)} evaluations of {models}, {first} to {last} (UTC), on "
+                         + f": {len(mine)} evaluation{'s' * (len(mine) != 1)} of {models}, {first} to {last} (UTC), on "
                          + (info.get("machine") or machine)
                          + (f", code at {info['commit']}" if info.get("commit") else "")
                          + (f"; made with `{info['command']}`" if info.get("command") else "") + ".")
@@ -536,7 +540,7 @@ def findings(rows: list[dict]) -> list[str]:
         out.append("**Which method leads depends on the metric**: " + "; ".join(leads)
                    + ". Read fidelity, perplexity and task accuracy together.")
     accs = [_acc(r) for r in rows if _acc(r) is not None and r not in g.get("0.75", [])]
-    if accs and se:
+    if len(accs) > 1 and se:  # (one row separates nothing)
         out.append(f"**Task accuracy barely separates the rows**: {_span(accs, _pct)} mean over {len(tasks)} tasks of "
                    f"{min(limits)} items (all but 75% pruning), where one row's standard error is about {se:.0%}.")
     files = [r for r in rows if (r.get("gguf") or {}).get("bytes")]
