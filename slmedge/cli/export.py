@@ -16,12 +16,13 @@ from .data import DATA_DIR_HELP
 
 
 def _fmt_bytes(n: int | None) -> str:
+    """A size in decimal units (1 MB = 10^6 bytes), as evaluate and the docs' tables give sizes."""
     if n is None:
         return "-"
     for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
+        if n < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        n /= 1000
     return str(n)
 
 
