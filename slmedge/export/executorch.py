@@ -273,6 +273,8 @@ def executorch_model_facts(path) -> dict:
     static cache: attention reads every slot, masked, at each step), for the roofline and the report."""
     import json
 
+    from ..backends.executorch import cache_slots
+
     folder = _folder(path)
     cfg = folder / "config.json"
     config = json.loads(cfg.read_text(encoding="utf-8")) if cfg.is_file() else {}
@@ -281,8 +283,8 @@ def executorch_model_facts(path) -> dict:
     context = manifest.get("context")
     return {"config": config, "params": _config_params(folder) or None,
             "quantized": manifest.get("type") in ("codes", *TORCHAO_TYPES),
-            # the static cache's slots (_lower: one past the context), every one read at each decode step
-            "kv_positions": int(context) + 1 if context else None}
+            # the static cache's slots, every one read at each decode step
+            "kv_positions": cache_slots(int(context)) if context else None}
 
 
 def _inspect_rows(info: dict) -> list[tuple[str, str]]:
