@@ -185,7 +185,7 @@ def test_ssh_runs_a_pte_where_the_device_has_executorch_like_local(et_study, ssh
     prof = tmp_path / "profiles" / "ssh-localhost.toml"
     prof.write_text(prof.read_text().replace('runtimes = ["llama.cpp", "onnxruntime"]', 'runtimes = ["executorch"]'))
     folder = _program(et_study)
-    settings = dict(metrics=("perplexity", "tasks", "latency"))
+    settings = dict(metrics=("perplexity", "tasks", "latency", "memory"))
     local = evaluate(str(folder), _settings(tmp_path, **settings))
     remote = evaluate(str(folder), _settings(tmp_path, target="ssh-localhost", **settings))
     assert remote["runtime"] == "executorch" and remote["target"] == "ssh-localhost" and not remote["emulated"]
@@ -194,6 +194,9 @@ def test_ssh_runs_a_pte_where_the_device_has_executorch_like_local(et_study, ssh
     assert [t["acc"] for t in remote["metrics"]["tasks"].values()] == \
         [t["acc"] for t in local["metrics"]["tasks"].values()]
     assert remote["metrics"]["latency"]["decode_tps"]["median"] > 0
+    # the program's static KV cache, as here (only the program travelled; the config stays here)
+    lm, rm = local["metrics"]["memory"], remote["metrics"]["memory"]
+    assert lm.get("kv_cache_static") and rm.get("kv_cache_static") and rm["kv_cache_bytes"] == lm["kv_cache_bytes"]
     assert remote["versions"]["target"]["executorch"]  # what the runner found there (`targets check` shows it)
     assert [p.name for p in work.rglob("*.pte")] == ["model.pte"]  # the program travelled; the tokenizer stays here
 

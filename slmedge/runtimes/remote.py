@@ -115,6 +115,17 @@ class RemoteRuntime(Runtime):
         self.n_params = info.get("n_params")
         self.providers = info.get("providers")
         self.logits_from = info.get("logits_from")  # where its scores come from, when the runtime says
+        self.context = info.get("context")  # a program's own positions (ExecuTorch), when the runtime says
+        self.local_path: Path | None = None  # the file on this machine the target's copy was made from
+
+    def static_kv_cache(self) -> dict | None:
+        """An ExecuTorch program's static cache, as on this machine: its positions from the runner, the
+        config from the export folder here (only the program goes to the target)."""
+        if self.name != "executorch" or not self.context or self.local_path is None:
+            return None
+        from ..backends.executorch import program_file, static_kv_cache
+
+        return static_kv_cache(program_file(self.local_path).parent, int(self.context))
 
     def info(self) -> dict:
         return {**super().info(), **({"logits_from": self.logits_from} if self.logits_from else {})}

@@ -159,6 +159,7 @@ class Transport:
         self.require_runtime(runtime, self.target_versions)
         remote = self.put(Path(path))
         rt = RemoteRuntime(self.start(), runtime, remote, threads or self.profile.threads or None, n_ctx)
+        rt.local_path = Path(path)
         return rt.placed(self, self.target_versions)
 
     @property
