@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -58,7 +57,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.gguf_peers import against, fresh as fresh_exact, log, stamp  # noqa: E402 - the GGUF comparison's steps and goal
+from benchmarks.gguf_peers import against, fresh as fresh_exact, log, scored, stamp  # noqa: E402 - the GGUF comparison's steps and goal
 
 PEERS = ("8da4w", "4w")
 BLOCKS = (32, 128)
@@ -205,33 +204,8 @@ def torchao_peer(hf_dir: Path, out: Path, peer: str, group: int) -> None:
 
 
 def score(folder: Path, model: str, args) -> dict:
-    out = folder.with_name(folder.name + ".score.json")
-    inputs = {"file": program_digest(folder), "reference": model, "fidelity_windows": args.fidelity_windows,
-              "ppl_windows": args.ppl_windows, "latency": args.latency, "threads": args.threads, "slmedge": CODE}
-    if fresh(out, inputs):
-        return json.loads(out.read_text())
-    from slmedge.evaluate.api import EvalSettings, evaluate
-
-    log(f"score {folder.name}")
-    started = time.perf_counter()
-    metrics = ("fidelity", "perplexity") + (("latency",) if args.latency else ())
-    res = evaluate(str(folder / "model.pte"), EvalSettings(metrics=metrics, reference=model, runtime="executorch",
-                                                           fidelity_windows=args.fidelity_windows,
-                                                           ppl_windows=args.ppl_windows, pp=128, tg=32, repeats=2,
-                                                           threads=args.threads))
-    log(f"score {folder.name}: {time.perf_counter() - started:.1f} s")
-    m = res["metrics"]
-    fid = m.get("fidelity") or {}
-    ppl = {k: v["perplexity"] for k, v in (m.get("perplexity") or {}).items() if isinstance(v, dict) and "perplexity" in v}
-    lat = m.get("latency") or {}
-    row = {"bytes": (folder / "model.pte").stat().st_size, "mean_kl": fid.get("kl_mean"),
-           "top1": fid.get("top1_agreement"), "ppl": ppl,
-           "ppl_geomean": math.exp(sum(math.log(v) for v in ppl.values()) / len(ppl)) if ppl else None,
-           "prefill_tps": (lat.get("prefill_tps") or {}).get("median"),
-           "decode_tps": (lat.get("decode_tps") or {}).get("median")}
-    out.write_text(json.dumps(row, indent=2))
-    stamp(out, inputs)
-    return row
+    return scored(folder / "model.pte", folder.with_name(folder.name + ".score.json"), program_digest(folder),
+                  (folder / "model.pte").stat().st_size, model, args, runtime="executorch", reuse=fresh)
 
 
 def speed_pairs(rows: dict, work: Path, model: str, args) -> dict:

@@ -47,7 +47,6 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -57,7 +56,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.gguf_peers import against, fresh, log, stamp  # noqa: E402 - the GGUF comparison's steps and goal
+from benchmarks.gguf_peers import against, fresh, log, scored, stamp  # noqa: E402 - the GGUF comparison's steps and goal
 
 ALGOS = ("rtn", "k_quant", "hqq", "gptq")
 BUILDER_ALGOS = ("rtn", "k_quant", "k_quant_last", "k_quant_mixed")
@@ -249,34 +248,11 @@ def builder_peer(hf_dir: Path, out: Path, algo: str, block: int, work: Path) -> 
 
 
 def score(folder: Path, model: str, args) -> dict:
-    out = folder.with_name(folder.name + ".score.json")
-    inputs = {"file": folder_digest(folder), "reference": model, "fidelity_windows": args.fidelity_windows,
-              "ppl_windows": args.ppl_windows, "latency": args.latency, "threads": args.threads, "slmedge": CODE}
-    if fresh(out, inputs):
-        return json.loads(out.read_text())
-    from slmedge.evaluate.api import EvalSettings, evaluate
-
-    log(f"score {folder.name}")
-    started = time.perf_counter()
-    metrics = ("fidelity", "perplexity") + (("latency",) if args.latency else ())
     # The builder's folder runs in onnxruntime-genai (onnxruntime underneath): slmedge's own onnxruntime loop
     # feeds a KV cache the builder's GroupQueryAttention nodes refuse.
     runtime = "onnxruntime-genai" if (folder / "genai_config.json").is_file() else "onnxruntime"
-    res = evaluate(str(folder), EvalSettings(metrics=metrics, reference=model, runtime=runtime,
-                                             fidelity_windows=args.fidelity_windows, ppl_windows=args.ppl_windows,
-                                             pp=128, tg=32, repeats=2, threads=args.threads))
-    log(f"score {folder.name}: {time.perf_counter() - started:.1f} s")
-    m = res["metrics"]
-    fid = m.get("fidelity") or {}
-    ppl = {k: v["perplexity"] for k, v in (m.get("perplexity") or {}).items() if isinstance(v, dict) and "perplexity" in v}
-    lat = m.get("latency") or {}
-    row = {"bytes": model_bytes(folder), "mean_kl": fid.get("kl_mean"), "top1": fid.get("top1_agreement"),
-           "ppl": ppl, "ppl_geomean": math.exp(sum(math.log(v) for v in ppl.values()) / len(ppl)) if ppl else None,
-           "prefill_tps": (lat.get("prefill_tps") or {}).get("median"),
-           "decode_tps": (lat.get("decode_tps") or {}).get("median"), "runtime": runtime}
-    out.write_text(json.dumps(row, indent=2))
-    stamp(out, inputs)
-    return row
+    return scored(folder, folder.with_name(folder.name + ".score.json"), folder_digest(folder), model_bytes(folder),
+                  model, args, runtime=runtime)
 
 
 # --- the run ----------------------------------------------------------------------------------
