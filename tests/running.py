@@ -29,11 +29,14 @@ def held_at(module: str, attr: str, ready: Path, seconds: float = 60.0) -> str:
             f"_m.{attr} = _held\n")
 
 
-# A terminal starts a command with Ctrl-C delivered and turned into KeyboardInterrupt. A child of the
-# test process would inherit that process's state instead: a SIGINT another library left ignored or
-# blocked there (both survive fork and exec) would make Ctrl-C tests wait out their timeouts.
-TERMINAL_SIGNALS = ("import signal as _s\n_s.pthread_sigmask(_s.SIG_UNBLOCK, {_s.SIGINT, _s.SIGTERM})\n"
-                    "_s.signal(_s.SIGINT, _s.default_int_handler)\n")
+# A terminal starts a command with Ctrl-C delivered and turned into KeyboardInterrupt, and SIGHUP and
+# SIGTERM at their defaults. A child of the test process would inherit that process's state instead: a
+# SIGINT another library left ignored or blocked there (both survive fork and exec) would make Ctrl-C
+# tests wait out their timeouts, and a test suite started under nohup or in a background job (SIGHUP,
+# SIGINT ignored) would start every command as `nohup slmedge` (SIGHUP kept ignored, by design).
+TERMINAL_SIGNALS = ("import signal as _s\n_s.pthread_sigmask(_s.SIG_UNBLOCK, {_s.SIGINT, _s.SIGTERM, _s.SIGHUP})\n"
+                    "_s.signal(_s.SIGINT, _s.default_int_handler)\n_s.signal(_s.SIGHUP, _s.SIG_DFL)\n"
+                    "_s.signal(_s.SIGTERM, _s.SIG_DFL)\n")
 
 
 def slmedge(args: list[str], cwd: Path, setup: str = "", env: dict | None = None, **kw) -> subprocess.Popen:
