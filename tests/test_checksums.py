@@ -6,6 +6,7 @@ from it.
 """
 
 import json
+import os
 import shutil
 import sqlite3
 from pathlib import Path
@@ -215,8 +216,8 @@ def test_a_changed_cached_export_is_written_again(tiny_models, tmp_path, corpus,
     args = ["evaluate", str(model), "--runtime", "onnxruntime", *EVAL, "--corpus", str(corpus)]
     r = runner.invoke(app, [*args, "--json", str(tmp_path / "a.json"), "--results-db", str(tmp_path / "db")])
     assert r.exit_code == 0, r.output
-    cached = json.loads((tmp_path / "a.json").read_text())["identity"]["path"]
-    onnx_file = Path(cached)
+    cached = json.loads((tmp_path / "a.json").read_text())["identity"]["path"]  # relative to the JSON's folder
+    onnx_file = Path(os.path.normpath(tmp_path / cached))
     assert onnx_file.is_file() and str(session_cache) in str(onnx_file)
     flip(onnx_file)
     r = runner.invoke(app, [*args, "--json", str(tmp_path / "b.json"), "--results-db", str(tmp_path / "db")])

@@ -226,7 +226,7 @@ def test_two_evaluations_share_one_cached_export(artifacts, tmp_path, session_ca
                 p.kill()
     assert not (tmp_path / "second-wrote").exists()  # it waited, then found the first one's export
     a, b = (json.loads((tmp_path / n).read_text())["identity"]["path"] for n in ("a.json", "b.json"))
-    assert a == b and Path(a).is_file()
+    assert a == b and (tmp_path / a).is_file()  # relative to the JSON files' folder
     assert temp_names(cache / "exports") == []
 
 
