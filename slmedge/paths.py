@@ -95,7 +95,7 @@ def recorded_path(target, anchor) -> str:
 
 # An absolute path inside a text (a note, a model spec): "/" after a start, a space or an opening mark,
 # up to a space, a quote or a closing mark; trailing sentence punctuation is not part of it.
-_ABSOLUTE_IN_TEXT = re.compile(r"(?:(?<=^)|(?<=[\s'\"`(\[{=]))(/[^\s'\"`()\[\]{}<>,;]+)")
+_ABSOLUTE_IN_TEXT = re.compile(r"(?:^|(?<=[\s'\"`(\[{=]))(/[^\s'\"`()\[\]{}<>,;]+)")
 
 
 def shareable_record(data, anchor, known=()):
