@@ -57,7 +57,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.gguf_peers import against, fresh as fresh_exact, log, scored, stamp  # noqa: E402 - the GGUF comparison's steps and goal
+from benchmarks.gguf_peers import against, fresh as fresh_exact, in_turns, log, scored, stamp  # noqa: E402 - the GGUF comparison's steps and goal
 
 PEERS = ("8da4w", "4w")
 BLOCKS = (32, 128)
@@ -210,28 +210,15 @@ def score(folder: Path, model: str, args) -> dict:
 
 def speed_pairs(rows: dict, work: Path, model: str, args) -> dict:
     """Prefill and decode tokens/s of each slmedge program against the peer of its layout (torchao's 8da4w at
-    the same group size), ``--speed-rounds`` rounds in turns of ``slmedge evaluate --metrics latency``
-    (pp 128, tg 64, 3 repeats); the medians and the ratios (slmedge / peer)."""
-    from slmedge.evaluate.api import EvalSettings, evaluate
-
-    settings = EvalSettings(metrics=("latency",), reference=model, runtime="executorch", pp=128, tg=64, repeats=3,
-                            threads=args.threads)
+    the same group size), ``--speed-rounds`` rounds in turns (``in_turns``); the medians and the ratios
+    (slmedge / peer)."""
     out = {}
     for label, r in rows.items():
         peer = f"torchao 8da4w, group {r.get('block')}"
         if r["producer"] != "slmedge" or "failed" in r or "failed" in rows.get(peer, {"failed": 1}):
             continue
-        a, b = work / r["file"], work / rows[peer]["file"]
-        tps = {name: {"prefill": [], "decode": []} for name in (a.name, b.name)}
-        for _ in range(args.speed_rounds):
-            for f in (a, b):
-                lat = evaluate(str(f / "model.pte"), settings)["metrics"]["latency"]
-                tps[f.name]["prefill"].append(lat["prefill_tps"]["median"])
-                tps[f.name]["decode"].append(lat["decode_tps"]["median"])
-        med = {k: {m: sorted(v[m])[len(v[m]) // 2] for m in v} for k, v in tps.items()}
-        out[label] = {"peer": peer, "tps": tps, "median": med,
-                      "prefill_ratio": med[a.name]["prefill"] / med[b.name]["prefill"],
-                      "decode_ratio": med[a.name]["decode"] / med[b.name]["decode"]}
+        out[label] = {"peer": peer, **in_turns(work / r["file"], work / rows[peer]["file"], model, args.speed_rounds,
+                                               args.threads, runtime="executorch")}
         log(f"speed {label} vs {peer}: prefill ratio {out[label]['prefill_ratio']:.3f}, decode ratio "
             f"{out[label]['decode_ratio']:.3f} ({args.speed_rounds} rounds in turns)")
     return out

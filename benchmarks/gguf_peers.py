@@ -435,28 +435,43 @@ def same_type_pairs(rows: dict, work: Path) -> list[tuple[str, str, float]]:
     return pairs
 
 
-def decode_pairs(rows: dict, work: Path, model: str, args) -> dict:
-    """Decode tokens/s of slmedge's files against llama.cpp's of the same block types
-    (``same_type_pairs``), measured in turns (A B A B ...: drift of the machine falls on both),
-    ``--decode-rounds`` rounds of ``slmedge evaluate --metrics latency`` (pp 128, tg 64, 3 repeats); the
-    median per file and the ratio."""
+def in_turns(a: Path, b: Path, model: str, rounds: int, threads: int, runtime: str | None = None) -> dict:
+    """Prefill and decode tokens/s of ``a`` against ``b`` (files or folders), measured in turns (A B A B ...:
+    drift of the machine falls on both), ``rounds`` rounds of ``slmedge evaluate --metrics latency`` (pp 128,
+    tg 64, 3 repeats) in ``runtime`` (default: each file's own). The GGUF, ONNX and ExecuTorch comparisons
+    measure their same-layout pairs with it: {"tps": name -> {"prefill": [...], "decode": [...]},
+    "median": name -> {"prefill", "decode"}, "prefill_ratio", "decode_ratio"} (ratios ``a`` / ``b``)."""
     from slmedge.evaluate.api import EvalSettings, evaluate
 
+    settings = EvalSettings(metrics=("latency",), reference=model, runtime=runtime, pp=128, tg=64, repeats=3,
+                            threads=threads)
+    target = {f: str(f / "model.pte") if (f / "model.pte").is_file() else str(f) for f in (a, b)}
+    tps = {f.name: {"prefill": [], "decode": []} for f in (a, b)}
+    for _ in range(rounds):
+        for f in (a, b):
+            lat = evaluate(target[f], settings)["metrics"]["latency"]
+            tps[f.name]["prefill"].append(lat["prefill_tps"]["median"])
+            tps[f.name]["decode"].append(lat["decode_tps"]["median"])
+    med = {k: {m: sorted(v[m])[len(v[m]) // 2] for m in v} for k, v in tps.items()}
+    return {"tps": tps, "median": med, "prefill_ratio": med[a.name]["prefill"] / med[b.name]["prefill"],
+            "decode_ratio": med[a.name]["decode"] / med[b.name]["decode"]}
+
+
+def decode_pairs(rows: dict, work: Path, model: str, args) -> dict:
+    """Decode tokens/s of slmedge's files against llama.cpp's of the same block types
+    (``same_type_pairs``), measured in turns (``in_turns``, ``--decode-rounds`` rounds); the median per
+    file and the ratio."""
     pairs = same_type_pairs(rows, work)
     if not pairs:
         return {}
-    settings = EvalSettings(metrics=("latency",), reference=model, pp=128, tg=64, repeats=3, threads=args.threads)
     out = {}
     for ours, theirs, share in pairs:
         a, b = work / rows[ours]["file"], work / rows[theirs]["file"]
-        tps = {a.name: [], b.name: []}
-        for _ in range(args.decode_rounds):
-            for f in (a, b):
-                res = evaluate(str(f), settings)
-                tps[f.name].append(res["metrics"]["latency"]["decode_tps"]["median"])
-        med = {k: sorted(v)[len(v) // 2] for k, v in tps.items()}
+        t = in_turns(a, b, model, args.decode_rounds, args.threads)
+        tps = {k: v["decode"] for k, v in t["tps"].items()}
+        med = {k: v["decode"] for k, v in t["median"].items()}
         out[ours] = {"slmedge": a.name, "llama.cpp": b.name, "same_types": share, "tps": tps, "median": med,
-                     "ratio": med[a.name] / med[b.name]}
+                     "ratio": t["decode_ratio"]}
         log(f"decode {ours} vs {theirs}: {med[a.name]:.1f} vs {med[b.name]:.1f} tok/s "
             f"(ratio {out[ours]['ratio']:.3f}, {args.decode_rounds} rounds in turns)")
     print(f"\n#### {model}: decode tokens/s, same block types, {args.decode_rounds} rounds in turns\n")

@@ -17,7 +17,10 @@ What an onnxruntime user gets for free, measured side by side with what slmedge 
 4. slmedge's files (``--methods``): a calibrated method's artifact on the same windows, exported with
    its codes kept (``slmedge export --format onnx --exact``, with the export options the label names);
    ``gptq-bpw5.03-t4`` is GPTQ to a size budget over MatMulNBits layouts (``compress --bpw 5.03
-   --bpw-grids onnx``: 4- and 8-bit, blocks 32 to 128, per linear) at the builder's file size.
+   --bpw-grids onnx``: 4- and 8-bit, blocks 32 to 128, per linear) at the builder's file size. A label
+   ending ``-a0`` is the same file at MatMulNBits accuracy level 0 (fp32 activations; the export's default
+   is 4, int8 activations); one ending ``-genai`` is the onnxruntime-genai folder (``--format
+   onnxruntime-genai``: the same model.onnx and genai_config.json), scored in onnxruntime-genai.
 5. Every file scored by ``slmedge evaluate`` in onnxruntime (the builder's folders in onnxruntime-genai, on
    onnxruntime: slmedge's own loop feeds a KV cache their GroupQueryAttention refuses): mean KL and top-1
    against the base model in torch (``--fidelity-windows`` x 512 WikiText-2 tokens), perplexity in the shipped languages and
@@ -27,6 +30,12 @@ What an onnxruntime user gets for free, measured side by side with what slmedge 
 The table (sizes on disk: the model file plus its external data) is printed and written with every
 number to ``WORK/MODEL/results.json``, and after it the goal: for each peer file, slmedge's smallest
 file of equal or smaller size that is lower on both mean KL and perplexity (or the nearest miss).
+With ``--latency``, each slmedge file's prefill and decode tokens/s against the peer of its layout in the
+same runtime, ``--speed-rounds`` rounds in turns (A B A B ...: drift of the machine falls on both), the
+medians and their ratio against the goal's 0.95: an ONNX file of one block size against onnxruntime's RTN
+file at that block (the same MatMulNBits kernels on the same graph), a budget's mixed layouts against block
+32's, a ``-genai`` folder against the builder's folder in onnxruntime-genai, an ``-a0`` file against itself
+at accuracy level 4.
 Caveat: the embedded models' only weights are a Q4_1 GGUF (SmolLM2, block 32) and a Q4_K_M one
 (Gemma 3): a quantizer with a float zero point at block 32 (HQQ) finds SmolLM2's grid again and looks
 nearly lossless; it would not on a 16-bit model. Such rows are marked.
@@ -56,7 +65,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.gguf_peers import against, fresh, log, scored, stamp  # noqa: E402 - the GGUF comparison's steps and goal
+from benchmarks.gguf_peers import against, fresh, in_turns, log, scored, stamp  # noqa: E402 - the GGUF comparison's steps and goal
 
 ALGOS = ("rtn", "k_quant", "hqq", "gptq")
 BUILDER_ALGOS = ("rtn", "k_quant", "k_quant_last", "k_quant_mixed")
@@ -80,7 +89,12 @@ TABLES = {"": [],  # the export's defaults: fp16 embedding, 8-bit head
           "-t8": ["--embedding-type", "int8", "--head-type", "int8"],  # 8-bit embedding and head (one copy if tied)
           "-t4": ["--embedding-type", "int4", "--head-type", "int4"],  # 4-bit, block 32
           "-t4b64": ["--embedding-type", "int4", "--head-type", "int4", "--block-size", "64"]}
-METHODS = {f"{art}{suffix}": (art, opts) for art in ARTIFACTS for suffix, opts in TABLES.items()}
+# The format and runtime options of each file: the ONNX folder in onnxruntime (accuracy level 4, the export's
+# default: int8 activations), the same at accuracy level 0 (fp32 activations), and the onnxruntime-genai folder
+# (the same model.onnx with genai_config.json, run by onnxruntime-genai as the builder's folders are).
+VARIANTS = {"": ("onnx", []), "-a0": ("onnx", ["--accuracy-level", "0"]), "-genai": ("onnxruntime-genai", [])}
+METHODS = {f"{art}{suffix}{variant}": (art, opts + vopts, fmt) for art in ARTIFACTS for suffix, opts in TABLES.items()
+           for variant, (fmt, vopts) in VARIANTS.items()}
 DEFAULT_METHODS = ("awq-g32", "awq-g32-t8", "awq-g32-t4", "gptq-g32-t4", "awq-g128-t4b64", "gptq-g128-t4b64")
 # The base's own grid, where a peer's float zero point at that block size can land back on it.
 CAVEAT = {"smollm2-135m": ("Q4_1", 32), "gemma3-270m": ("Q4_K_M", None)}
@@ -275,6 +289,7 @@ def main() -> int:
     ap.add_argument("--fidelity-windows", type=int, default=4)
     ap.add_argument("--latency", action="store_true", help="also prefill and decode tokens/s in onnxruntime (128 + 32 tokens)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--speed-rounds", type=int, default=3, help="rounds of the same-layout speed comparison (--latency)")
     ap.add_argument("--work", type=Path, default=ROOT / ".bench" / "onnx")
     args = ap.parse_args()
     algos = [a for a in args.algos if a != "none"]
@@ -314,8 +329,10 @@ def main() -> int:
         print_table(model, rows)
         goal = goal_rows(rows)
         print_goal(model, goal, rows)
+        speeds = speed_pairs(rows, work, model, args) if args.latency else {}
+        print_speeds(model, speeds, args.speed_rounds)
         (work / "results.json").write_text(json.dumps({"model": model, "args": {k: str(v) for k, v in vars(args).items()},
-                                                       "rows": rows, "goal": goal}, indent=2))
+                                                       "rows": rows, "goal": goal, "speed_pairs": speeds}, indent=2))
     return 0
 
 
@@ -381,9 +398,9 @@ def make_and_score(model: str, work: Path, algos: list, builder: list, methods: 
                     stamp(out, inputs)
                 files[label] = ("onnxruntime-genai", out, {"block": block, "algo": algo})
     for label in methods:
-        art_label, export_opts = METHODS[label]
+        art_label, export_opts, fmt = METHODS[label]
         out = work / f"slmedge-{label}"
-        inputs = {"model": model, "compress": ARTIFACTS[art_label], "export": export_opts,
+        inputs = {"model": model, "compress": ARTIFACTS[art_label], "export": [fmt, *export_opts],
                   "calibration": args.calibration, "nsamples": args.nsamples, "seqlen": args.seqlen, "slmedge": CODE}
         if not fresh(out, inputs):
             art = work / f"artifact-{art_label}"
@@ -393,12 +410,12 @@ def make_and_score(model: str, work: Path, algos: list, builder: list, methods: 
                             args.nsamples, "--seqlen", args.seqlen, "-o", art, "--overwrite"), f"compress {art_label}",
                     work / "logs" / f"compress-{art_label}.log")
                 stamp(art, art_inputs)
-            run(slmedge("export", art, "--format", "onnx", "--exact", *export_opts, "-o", out, "--overwrite"),
+            run(slmedge("export", art, "--format", fmt, "--exact", *export_opts, "-o", out, "--overwrite"),
                 f"export {label}", work / "logs" / f"export-{label}.log")
             stamp(out, inputs)
         opts = ARTIFACTS[art_label]
         block = int(opts[opts.index("--group-size") + 1]) if "--group-size" in opts else None  # a budget: mixed
-        files[f"slmedge {label}, codes kept"] = ("slmedge", out, {"block": block})
+        files[f"slmedge {label}, codes kept"] = ("slmedge", out, {"block": block, "method": label})
     rows = {}
     for label, (producer, where, layout) in files.items():
         if isinstance(where, str):
@@ -450,6 +467,76 @@ def goal_rows(rows: dict) -> list[dict]:
             row["nearest"] = min(ours, key=lambda k: (ours[k]["bytes"], k))
         out.append(row)
     return out
+
+
+SPEED_GOAL = 0.95  # the issue's floor: prefill and decode at least 0.95 of the same layout's peer
+
+
+def speed_peer(label: str, row: dict, rows: dict) -> tuple[str | None, str]:
+    """The peer file of ``row``'s layout, in the runtime it runs in, and what makes it that peer:
+    - an onnxruntime-genai folder: the builder's folder at its block size (else the builder's block 32),
+      both run by onnxruntime-genai;
+    - accuracy level 0: the same slmedge file at level 4 (what the level costs or buys);
+    - an ONNX file of one block size: onnxruntime's RTN (else k-quant) file at that block size, the same
+      MatMulNBits kernels on the same graph;
+    - a budget's mixed layouts: onnxruntime's RTN (else k-quant) at block 32, the nearest single layout."""
+    ok = lambda k: k in rows and "failed" not in rows[k]  # noqa: E731
+    block = row.get("block")
+    method = row.get("method") or ""
+    if method.endswith("-genai"):
+        for b in (block, 32):
+            for algo in BUILDER_ALGOS:
+                if ok(f"builder {algo}, block {b}"):
+                    return f"builder {algo}, block {b}", "same runtime (onnxruntime-genai), the builder's graph"
+        return None, ""
+    if method.endswith("-a0"):
+        same = f"slmedge {method[:-3]}, codes kept"
+        return (same, "the same file at accuracy level 4") if ok(same) else (None, "")
+    for b, why in ((block, f"MatMulNBits block {block}"), (32, "mixed layouts; nearest single layout: block 32")):
+        if b is None:
+            continue
+        for algo in ALGOS:
+            if ok(f"onnxruntime {algo}, block {b}"):
+                return f"onnxruntime {algo}, block {b}", why
+    return None, ""
+
+
+def speed_pairs(rows: dict, work: Path, model: str, args) -> dict:
+    """Prefill and decode tokens/s of each slmedge file against the peer of its layout (``speed_peer``) in
+    the same run, ``--speed-rounds`` rounds in turns (``in_turns``); the medians and the ratios
+    (slmedge / peer)."""
+    out = {}
+    for label, r in rows.items():
+        if r["producer"] != "slmedge" or "failed" in r:
+            continue
+        peer, why = speed_peer(label, r, rows)
+        if peer is None:
+            continue
+        runtime = "onnxruntime-genai" if (work / r["file"] / "genai_config.json").is_file() else "onnxruntime"
+        out[label] = {"peer": peer, "pairing": why, **in_turns(work / r["file"], work / rows[peer]["file"], model,
+                                                               args.speed_rounds, args.threads, runtime=runtime)}
+        log(f"speed {label} vs {peer}: prefill ratio {out[label]['prefill_ratio']:.3f}, decode ratio "
+            f"{out[label]['decode_ratio']:.3f} ({args.speed_rounds} rounds in turns)")
+    return out
+
+
+def print_speeds(model: str, speeds: dict, rounds: int) -> None:
+    if not speeds:
+        return
+    print(f"\n#### {model}: tokens/s against the peer of the same layout, {rounds} rounds in turns (medians)\n")
+    print(f"| slmedge file | peer file | pairing | prefill tok/s | peer | ratio | decode tok/s | peer | ratio | ≥ {SPEED_GOAL}? |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+    won = judged = 0
+    for label, s in speeds.items():
+        a, b = list(s["median"])  # slmedge's file first
+        ok = s["prefill_ratio"] >= SPEED_GOAL and s["decode_ratio"] >= SPEED_GOAL
+        peer_is_a_peer = not s["peer"].startswith("slmedge ")  # accuracy level 0 against level 4: no goal
+        won, judged = won + (ok and peer_is_a_peer), judged + peer_is_a_peer
+        print(f"| {label} | {s['peer']} | {s['pairing']} | {s['median'][a]['prefill']:.1f} | "
+              f"{s['median'][b]['prefill']:.1f} | {s['prefill_ratio']:.3f} | {s['median'][a]['decode']:.1f} | "
+              f"{s['median'][b]['decode']:.1f} | {s['decode_ratio']:.3f} | "
+              f"{('yes' if ok else 'no') if peer_is_a_peer else '-'} |")
+    print(f"\nSpeed goal (prefill and decode ≥ {SPEED_GOAL} of the peer): holds for {won} of {judged} pairs.")
 
 
 def print_goal(model: str, goal: list[dict], rows: dict) -> None:
