@@ -379,3 +379,47 @@ def test_int4_export_peak_memory_stays_near_the_fp32_model_size(artifacts, tmp_p
     print(f"the int4 export grew by {grew / 1e6:.0f} MB = {grew / fp32_bytes:.2f} x the fp32 model")
     assert grew < 1.0 * fp32_bytes, f"the export grew by {grew / 1e6:.0f} MB; the fp32 model is {fp32_bytes / 1e6:.0f} MB"
     assert OrtDecoder(tmp_path / "onnx").logits(IDS).shape == (len(IDS), 384)
+
+
+def _nbits_tensors(model) -> dict[str, list[np.ndarray]]:
+    """MatMulNBits node name -> its constant inputs (codes, scales, zero points), as arrays."""
+    inits = {i.name: i for i in model.graph.initializer}
+    return {n.name: [numpy_helper.to_array(inits[i]) for i in n.input[1:] if i in inits]
+            for n in model.graph.node if n.op_type == "MatMulNBits"}
+
+
+@pytest.mark.parametrize("algo", ["rtn", "k_quant", "hqq"])
+def test_onnxruntimes_own_quantizers_make_the_file_an_onnxruntime_user_makes(algo, tiny_models, tmp_path):
+    """``--type ort-ALGO``: onnxruntime's MatMulNBitsQuantizer with that algorithm, called as a user calls it
+    (4-bit, asymmetric, block 32) on the fp32 graph: every MatMulNBits' codes, scales and zero points equal."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as q
+
+    src = tiny_models("llama")
+    report = export_onnx(src, tmp_path / algo, f"ort-{algo}")
+    assert report["codes_kept"] == 0 and not report["exact"] and report["type"] == f"ort-{algo}"
+    export_onnx(src, tmp_path / "fp32", "fp32")
+    config = {"rtn": q.RTNWeightOnlyQuantConfig, "k_quant": q.KQuantWeightOnlyQuantConfig,
+              "hqq": lambda: q.HQQWeightOnlyQuantConfig(block_size=32, bits=4)}[algo]()
+    user = q.MatMulNBitsQuantizer(onnx.load(str(tmp_path / "fp32" / "model.onnx")), bits=4, block_size=32,
+                                  is_symmetric=False, accuracy_level=4, algo_config=config)
+    user.process()
+    want = _nbits_tensors(user.model.model)
+    got = _nbits_tensors(onnx.load(str(tmp_path / algo / "model.onnx")))
+    linears = [n for n in want if "/layers." in n]
+    assert len(linears) >= 14 and set(linears) <= set(got)
+    for name in linears:
+        assert len(got[name]) == len(want[name]) >= 3, name  # asymmetric: zero points too
+        for g, w in zip(got[name], want[name]):
+            assert g.dtype == w.dtype and np.array_equal(g, w), name
+
+
+def test_onnxruntimes_own_quantizers_refuse_what_they_cannot_do_before_any_work(artifacts, tiny_models, tmp_path):
+    with pytest.raises(ONNXExportError, match=r"block 128 does not divide 64: use --block-size 16 or 32 or 64"):
+        export_onnx(tiny_models("llama"), tmp_path / "b128", "ort-k_quant", block_size=128)
+    art = artifacts("llama", "gptq", bits=4, group_size=32, symmetric=True)
+    with pytest.raises(ONNXExportError, match="--exact: ort-rtn is onnxruntime's own rtn quantizer"):
+        export_onnx(art, tmp_path / "exact", "ort-rtn", exact=True)
+    assert not list(tmp_path.iterdir())
+    with pytest.warns(UserWarning, match="the artifact's codes are not kept"):
+        report = export_onnx(art, tmp_path / "requant", "ort-rtn")
+    assert report["codes_kept"] == 0 and report["requantized_by_onnxruntime"] == report["ops"]["MatMulNBits"] - 1 >= 14

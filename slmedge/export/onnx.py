@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import shutil
 import time
 import warnings
@@ -47,7 +48,12 @@ from .inspect import (EXPORT_MANIFEST, inspect_onnx, is_onnx_folder, onnx_model_
 from .source import iter_weights, open_export_source, outlines
 from .verify import check_logits, compare_logits, probe_text, source_tokenizer, torch_logits
 
-ONNX_TYPES = ("fp32", "fp16", "int4", "int8", "int8-dynamic")
+ONNX_TYPES = ("fp32", "fp16", "int4", "int8", "int8-dynamic", "ort-rtn", "ort-k_quant", "ort-hqq")
+# onnxruntime's own int4 quantizers, as an onnxruntime user calls them: MatMulNBitsQuantizer on every MatMul
+# with a constant weight (the head included), 4-bit, asymmetric (its default), block --block-size, with the
+# algorithm named. What onnxruntime gives for free: the baselines of a study, or a file of their own. On an
+# artifact, its weights are dequantized and re-quantized by that algorithm (the codes are not kept).
+ORT_ALGOS = {"ort-rtn": "rtn", "ort-k_quant": "k_quant", "ort-hqq": "hqq"}
 LARGE = 2 * 1024**3 - 64 * 1024**2  # protobuf's 2 GB limit, with room for the graph itself
 
 # Verification tolerances against torch logits of the source weights (fp32). "kept": codes
@@ -360,17 +366,28 @@ def check_head_options(embedding_type: str, head_type: str, keep_fp32_head: bool
 
 
 def ort_quantize_matmuls(model, bits: int, block_size: int, symmetric: bool, accuracy_level: int,
-                         exclude: list[str] | None = None):
-    """onnxruntime's own weight-only RTN on every MatMul with a constant weight (not in ``exclude``)."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+                         exclude: list[str] | None = None, algo: str | None = None):
+    """onnxruntime's own weight-only quantizer on every MatMul with a constant weight (not in ``exclude``):
+    its default (RTN in its C++ kernel), or ``algo`` (``rtn``, ``k_quant``, ``hqq``: its algorithm configs)."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as q
 
-    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level,
-                                          bits=bits)
-    quant = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
-                                 accuracy_level=accuracy_level, nodes_to_exclude=exclude or [], algo_config=config)
-    with warnings.catch_warnings(), _quiet_root_logger(), native("onnxruntime's quantizer", "the ONNX model being exported"):
+    if algo is None:
+        config = q.DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric,
+                                                accuracy_level=accuracy_level, bits=bits)
+    else:
+        config = {"rtn": lambda: q.RTNWeightOnlyQuantConfig(),
+                  "k_quant": lambda: q.KQuantWeightOnlyQuantConfig(),
+                  "hqq": lambda: q.HQQWeightOnlyQuantConfig(block_size=block_size, bits=bits)}[algo]()
+    quant = q.MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
+                                   accuracy_level=accuracy_level, nodes_to_exclude=exclude or [], algo_config=config)
+    with warnings.catch_warnings(), _quiet_root_logger(), native("onnxruntime's quantizer", "the ONNX model being exported"), \
+            open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # its algorithms print a progress bar
         warnings.simplefilter("ignore")
-        quant.process()
+        try:
+            quant.process()
+        except (ValueError, RuntimeError, TypeError, IndexError) as exc:  # its algorithms' own checks, in numpy's words
+            raise ONNXExportError(f"onnxruntime's {algo or 'default'} quantizer failed at block {block_size}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
     return quant.model.model
 
 
@@ -583,6 +600,22 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
     key = _auto_type(plan) if key == "auto" else key
     has_codes = any(o.coded for o in plan.values())
     notes: list[str] = []
+    ort_algo = ORT_ALGOS.get(key)
+    if ort_algo:
+        if exact:
+            raise ONNXExportError(f"--exact: {key} is onnxruntime's own {ort_algo} quantizer on every linear; it keeps "
+                                  "no codes (use int4 or int8 to keep an artifact's)")
+        # onnxruntime's RTN and k-quant reshape each weight into blocks: a block that does not divide a linear's
+        # inputs fails inside it (numpy's "cannot reshape"), after the graph is traced; said here, before any work.
+        from .source import weight_shapes
+
+        widths = {shape[1] for name, shape in weight_shapes(src.path) if len(shape) == 2 and "embed" not in name}
+        uneven = sorted(w for w in widths if w % block_size)
+        if uneven and ort_algo != "hqq":  # (HQQ pads a short block)
+            fits = [b for b in (16, 32, 64, 128, 256) if all(w % b == 0 for w in widths)]
+            raise ONNXExportError(f"{key}: onnxruntime's {ort_algo} quantizer needs the block size to divide every "
+                                  f"linear's inputs; block {block_size} does not divide {uneven[0]}"
+                                  + (f": use --block-size {' or '.join(map(str, fits))}" if fits else ""))
     if exact and key in ("fp32", "fp16", "int8-dynamic") and has_codes:
         raise ONNXExportError(f"--exact: {key} cannot hold the artifact's codes; use int4 or int8 (MatMulNBits)")
     if exact and key in ("int4", "int8") and not has_codes:
@@ -619,6 +652,14 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
                    f"onnxruntime (RTN, block {block_size}): their calibration is not kept")
             warnings.warn(msg, stacklevel=2)
             notes.append(msg)
+    elif ort_algo and has_codes:
+        for name, res in plan.items():
+            if res.coded:
+                report_layers[name] = {"type": "requantized", "grid": res.spec.describe(),
+                                       "requantized_because": f"{key}: onnxruntime's {ort_algo} quantizer", "codes_kept": False}
+        msg = f"{key} re-quantizes every weight with onnxruntime's {ort_algo} quantizer: the artifact's codes are not kept"
+        warnings.warn(msg, stacklevel=2)
+        notes.append(msg)
     to_place = set(keep)  # the linears whose codes are placed (read one at a time by place_codes)
     with atomic_directory(out_dir, overwrite=overwrite, manifest=EXPORT_MANIFEST) as tmp:
         stage = tmp / ".trace"
@@ -632,19 +673,21 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
         # them for fp32/fp16/int8-dynamic), while the graph is small; the codes go in last.
         place_weights(model, stubs, [n for n in stubs if n not in to_place], src.path, tied)
         head, emb = [], []
-        if key in ("int4", "int8"):
-            bits = 4 if key == "int4" else 8
+        if key in ("int4", "int8") or ort_algo:
+            bits = 8 if key == "int8" else 4
             tied_to = {} if keep_fp32_head else tied_tables(model)
             if not keep_fp32_head:
                 untie_head(model)
             remaining = [n.name for n in model.graph.node if n.op_type == "MatMul"
                          and n.input[1] in {i.name for i in model.graph.initializer}]
             made = {}
-            if has_codes and not refused:
+            if has_codes and not refused and not ort_algo:
                 # Only the head and skipped linears are left: --head-type (8-bit by default, little error).
                 if not keep_fp32_head:
                     made = quantize_uncoded(model, remaining, head_type, block_size, accuracy_level)
                     head = [n for n in remaining]
+            elif ort_algo:  # asymmetric, as onnxruntime's quantizer defaults to
+                model = ort_quantize_matmuls(model, bits, block_size, False, accuracy_level, algo=ort_algo)
             else:
                 model = ort_quantize_matmuls(model, bits, block_size, True, accuracy_level)
             if not keep_fp32_head and embedding_type == "fp16":
@@ -693,7 +736,7 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
             kind = "kept-4bit-tables"
         verification = None
         if verify:
-            qact = key == "int8-dynamic" or (key in ("int4", "int8") and accuracy_level >= 2)
+            qact = key == "int8-dynamic" or ((key in ("int4", "int8") or ort_algo) and accuracy_level >= 2)
             with progress_stage("verify in onnxruntime"):
                 verification = verify_against_torch(tmp, src.path, TOLERANCES[kind], probe, n_threads, qact)
         ops = _op_counts(final)
