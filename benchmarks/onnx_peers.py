@@ -402,20 +402,28 @@ def make_and_score(model: str, work: Path, algos: list, builder: list, methods: 
         out = work / f"slmedge-{label}"
         inputs = {"model": model, "compress": ARTIFACTS[art_label], "export": [fmt, *export_opts],
                   "calibration": args.calibration, "nsamples": args.nsamples, "seqlen": args.seqlen, "slmedge": CODE}
+        opts = ARTIFACTS[art_label]
+        block = int(opts[opts.index("--group-size") + 1]) if "--group-size" in opts else None  # a budget: mixed
+        layout = {"block": block, "method": label}
         if not fresh(out, inputs):
             art = work / f"artifact-{art_label}"
             art_inputs = {k: v for k, v in inputs.items() if k != "export"}
-            if not fresh(art, art_inputs):
-                run(slmedge("compress", model, *ARTIFACTS[art_label], "--calibration", args.calibration, "--nsamples",
-                            args.nsamples, "--seqlen", args.seqlen, "-o", art, "--overwrite"), f"compress {art_label}",
-                    work / "logs" / f"compress-{art_label}.log")
-                stamp(art, art_inputs)
-            run(slmedge("export", art, "--format", fmt, "--exact", *export_opts, "-o", out, "--overwrite"),
-                f"export {label}", work / "logs" / f"export-{label}.log")
+            step_log = work / "logs" / f"compress-{art_label}.log"
+            try:
+                if not fresh(art, art_inputs):
+                    run(slmedge("compress", model, *ARTIFACTS[art_label], "--calibration", args.calibration,
+                                "--nsamples", args.nsamples, "--seqlen", args.seqlen, "-o", art, "--overwrite"),
+                        f"compress {art_label}", step_log)
+                    stamp(art, art_inputs)
+                step_log = work / "logs" / f"export-{label}.log"
+                run(slmedge("export", art, "--format", fmt, "--exact", *export_opts, "-o", out, "--overwrite"),
+                    f"export {label}", step_log)
+            except StepFailed as exc:  # a row saying why (the step's last line), the rest of the table goes on
+                lines = step_log.read_text().strip().splitlines() if step_log.is_file() else []
+                files[f"slmedge {label}, codes kept"] = ("slmedge", (lines[-1] if lines else str(exc))[:200], layout)
+                continue
             stamp(out, inputs)
-        opts = ARTIFACTS[art_label]
-        block = int(opts[opts.index("--group-size") + 1]) if "--group-size" in opts else None  # a budget: mixed
-        files[f"slmedge {label}, codes kept"] = ("slmedge", out, {"block": block, "method": label})
+        files[f"slmedge {label}, codes kept"] = ("slmedge", out, layout)
     rows = {}
     for label, (producer, where, layout) in files.items():
         if isinstance(where, str):

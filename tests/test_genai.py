@@ -295,3 +295,35 @@ def test_an_arm64_environment_that_passed_gets_only_the_missing_wheels(tmp_path)
     assert _wheels_to_add(tmp_path, None) is None
     (tmp_path / "sysroot" / "usr" / "bin" / PYTHON).unlink()
     assert _wheels_to_add(tmp_path, record) is None
+
+
+def test_torch_is_compared_at_every_position_of_the_sequence_not_on_the_few_generated_tokens(og, genai_dirs,
+                                                                                              monkeypatch):
+    """A lossy file's greedy tokens can leave torch's on half of the 8 generated ones while its logits agree
+    at nearly every position (a correct 4-bit file with 4-bit tables did: 50% of 8): judged over the whole
+    sequence with the format's tolerance it passes; logits that are wrong everywhere still fail."""
+    from slmedge.export.onnx import TOLERANCES
+
+    folder, src = genai_dirs["int4"]
+    real = ort_genai.torch_logits
+    n_new = {}
+
+    def top_two_swapped(source, seq):  # torch's two best swapped at half the generated tokens' positions
+        ref = np.array(real(source, seq), copy=True)
+        for row in ref[-(ort_genai.GREEDY_TOKENS // 2):]:
+            a, b = np.argsort(row)[-2:]
+            row[a], row[b] = row[b], row[a]
+        n_new["positions"] = len(seq)
+        return ref
+
+    monkeypatch.setattr(ort_genai, "torch_logits", top_two_swapped)
+    greedy = ort_genai.verify_genai(folder, src, TOLERANCES["kept"])
+    assert greedy["torch_agreement"] <= 0.5 < TOLERANCES["kept"]["top1"]  # what the old check refused on
+    assert greedy["vs_torch"]["positions"] == n_new["positions"] >= 30
+    assert greedy["vs_torch"]["top1_agreement"] >= TOLERANCES["kept"]["top1"]
+
+    rng = np.random.default_rng(0)
+    monkeypatch.setattr(ort_genai, "torch_logits",
+                        lambda source, seq: rng.permutation(np.array(real(source, seq)), axis=1))  # every position wrong
+    with pytest.raises(GenaiVerificationError, match="along its greedy sequence differ from torch's"):
+        ort_genai.verify_genai(folder, src, TOLERANCES["kept"])
