@@ -252,3 +252,18 @@ def test_evaluate_reports_the_programs_static_kv_cache(fp32_program, tmp_path):
     r = runner.invoke(app, ["evaluate", str(folder), "--metrics", "memory", "--results-db", str(tmp_path / "db")])
     assert r.exit_code == 0, r.output
     assert f"static: {context + 1} positions" in " ".join(r.output.split())
+
+
+def test_torchaos_own_scheme_is_checked_against_torchaos_model_not_the_source(et, tiny_models, tmp_path):
+    """``--type 8da4w``: torchao chose the values, so the program is judged against torchao's quantized model
+    in eager torch (what the lowering changed), with a tight tolerance; how far the scheme is from the
+    source is recorded, not judged (SmolLM2's 8da4w, correct, is at mean KL 0.72 from its source and was
+    refused when judged against it)."""
+    from slmedge.export import executorch as ex
+
+    report = ex.export_executorch(tiny_models("llama"), tmp_path / "p", "8da4w", block_size=32)
+    v = report["verification"]
+    assert v["against"] == "torchao-eager" and v["tolerance"] == ex.TOLERANCES["requantized"]
+    assert v["mean_kl"] < 1e-3 and v["top1_agreement"] >= 0.95  # the lowering keeps torchao's model
+    assert v["vs_source"]["mean_kl"] > 10 * v["mean_kl"]  # the scheme's own loss, recorded beside it
+    assert report["requantized_by_torchao"] >= 14 and (tmp_path / "p" / "model.pte").is_file()
