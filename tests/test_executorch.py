@@ -267,3 +267,30 @@ def test_torchaos_own_scheme_is_checked_against_torchaos_model_not_the_source(et
     assert v["mean_kl"] < 1e-3 and v["top1_agreement"] >= 0.95  # the lowering keeps torchao's model
     assert v["vs_source"]["mean_kl"] > 10 * v["mean_kl"]  # the scheme's own loss, recorded beside it
     assert report["requantized_by_torchao"] >= 14 and (tmp_path / "p" / "model.pte").is_file()
+
+
+def test_symmetric_codes_with_negative_scales_load_and_stay_exact(et, artifacts, tmp_path):
+    """slmedge's symmetric codes are Q4_0's d * (q - 8), d negative where a group's largest magnitude is
+    positive; XNNPACK refuses a scale that is not positive when the program loads (SmolLM2's GPTQ W4 g32 sym
+    program failed: "Failed to define tensor ...: xnn_status_invalid_parameter"). Such a group is stored with
+    |d| and its codes reflected into [-8, 7], the rest in the offset: the weights are the artifact's."""
+    from slmedge.backends.executorch import EtDecoder
+    from slmedge.export.executorch import export_executorch, kept_linear
+    from slmedge.export.source import open_export_source
+    from slmedge.export.verify import compare_logits, torch_logits
+
+    art = artifacts("llama", "gptq", bits=4, group_size=32, symmetric=True)
+    src = open_export_source(art, lazy_layers=True)
+    res = src.layers[sorted(src.layers)[0]]
+    assert bool((res.scales < 0).any()) and bool((res.codes == 0).any())  # what the kernel cannot take as it is
+    kept = kept_linear(res)
+    assert bool((kept.weight.scale > 0).all())
+    q = kept.weight.qdata
+    assert int(q.min()) >= -8 and int(q.max()) <= 7
+    want = (res.codes.float() - 8) * res.scales.float().repeat_interleave(32, 1)
+    assert torch.allclose(kept.dequantized(), want, atol=1e-6)
+    out = tmp_path / "sym"
+    report = export_executorch(art, out, "auto")
+    assert report["codes_kept"] == len(src.layers)
+    stats = compare_logits(torch_logits(art, PROBE), EtDecoder(out).logits(PROBE))
+    assert stats["mean_kl"] < 0.02 and stats["top1_agreement"] >= 0.85

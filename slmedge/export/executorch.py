@@ -80,20 +80,44 @@ def xnnpack_group_problem(group: int, columns: int) -> str | None:
     return None
 
 
-def kept_weight(res):
-    """An artifact's coded linear's (``LinearResult``) codes and fp16 scales as torchao's
-    ``IntxUnpackedToInt8Tensor`` with int8 dynamic activations (XNNPACK's qd8 kernels): int8 codes
-    shifted by 2^(bits-1), zero point 0, so it dequantizes to ``(codes - 2^(bits-1)) * scales``. XNNPACK's
+def _positive_codes(res):
+    """The artifact's codes as XNNPACK's symmetric group-wise kernel can hold them: (qdata int8, scales > 0,
+    offset (N, G) fp32). XNNPACK refuses a scale that is not positive ("Failed to define tensor ...:
+    xnn_status_invalid_parameter" when the program loads), and slmedge's symmetric codes are Q4_0's
+    ``d * (q - 8)`` whose ``d`` is negative where a group's largest magnitude is positive. A group with
+    ``d < 0`` is stored as ``|d| * (-(q - 8) - 1)``, which stays in [-8, 7], and ``|d|`` per weight goes to
+    the offset; a group with ``d == 0`` as codes 0 and scale 1. With the groups' zero points' share
+    ``(mid - zeros) * d``, ``|d'| * qdata + offset`` is ``(codes - zeros) * d`` exactly."""
+    import torch
+
+    mid = 1 << (res.spec.bits - 1)
+    n, k = res.codes.shape
+    g = res.spec.group_width(k)
+    d = res.scales.to(torch.float32)  # (N, G)
+    q = (res.codes.to(torch.int16) - mid).reshape(n, k // g, g)
+    neg, zero = (d < 0).unsqueeze(-1), (d == 0).unsqueeze(-1)
+    q = torch.where(neg, -q - 1, q)
+    q = torch.where(zero, torch.zeros_like(q), q)
+    offset = (mid - res.zeros.to(torch.float32)) * d + torch.where(d < 0, -d, torch.zeros_like(d))
+    scales = torch.where(d == 0, torch.ones_like(d), d.abs())
+    return q.reshape(n, k).to(torch.int8), scales, offset
+
+
+def kept_weight(res, codes=None):
+    """An artifact's coded linear's (``LinearResult``) codes and scales as torchao's ``IntxUnpackedToInt8Tensor``
+    with int8 dynamic activations (XNNPACK's qd8 kernels): int8 codes shifted by 2^(bits-1), zero point 0,
+    positive scales (``_positive_codes``; ``codes``: its result, when computed already). XNNPACK's
     group-wise kernels read symmetric weights only (a group's own zero point is lost in lowering, as
-    measured with executorch 1.5.1): ``kept_linear`` adds what the groups' zero points take away."""
+    measured with executorch 1.5.1): ``kept_linear`` adds what the groups' zero points (and the sign of a
+    negative scale) take away."""
     import torch
     from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
         IntxUnpackedToInt8Tensor, IntxUnpackedToInt8TensorActivationQuantization)
 
     n, k = res.codes.shape
     g = res.spec.group_width(k)
-    qdata = (res.codes.to(torch.int16) - (1 << (res.spec.bits - 1))).to(torch.int8)
-    return IntxUnpackedToInt8Tensor(qdata=qdata, scale=res.scales.to(torch.float32),
+    qdata, scales, _ = codes or _positive_codes(res)
+    return IntxUnpackedToInt8Tensor(qdata=qdata, scale=scales,
                                     zero_point=torch.zeros((n, k // g), dtype=torch.int8),
                                     target_dtype=getattr(torch, f"int{res.spec.bits}"), block_size=(1, g),
                                     dtype=torch.float32,
@@ -101,22 +125,23 @@ def kept_weight(res):
 
 
 def kept_linear(res, bias=None):
-    """A module computing the artifact's linear from its codes: ``x @ ((codes - mid) * scales)^T`` on XNNPACK's
-    symmetric kernel, plus, where groups have their own zero points, ``sum_group(x) @ ((mid - zeros) * scales)^T``
-    (fp32, one column per group): together ``x @ ((codes - zeros) * scales)^T``, the codes kept as they are."""
+    """A module computing the artifact's linear from its codes: ``x @ (qdata * scales)^T`` on XNNPACK's
+    symmetric kernel (``_positive_codes``), plus, where groups have their own zero points or a negative
+    scale, ``sum_group(x) @ offset^T`` (fp32, one column per group): together ``x @ ((codes - zeros) *
+    scales)^T``, the codes kept as they are."""
     import torch
 
     class KeptLinear(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.weight = torch.nn.Parameter(kept_weight(res), requires_grad=False)
+            codes = _positive_codes(res)
+            self.weight = torch.nn.Parameter(kept_weight(res, codes), requires_grad=False)
             self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
             n, k = res.codes.shape
             self.group = res.spec.group_width(k)
-            mid = 1 << (res.spec.bits - 1)
-            offset = (mid - res.zeros.to(torch.float32)) * res.scales.to(torch.float32)  # (N, G)
+            offset = codes[2]  # (N, G)
             self.offset = None
-            if bool((res.zeros != mid).any()):
+            if bool((offset != 0).any()):
                 self.offset = torch.nn.Parameter(offset, requires_grad=False)
 
         def forward(self, x):
