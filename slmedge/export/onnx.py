@@ -686,10 +686,8 @@ def export_onnx(source, out_dir, otype: str = "auto", exact: bool = False, verif
                 if not keep_fp32_head:
                     made = quantize_uncoded(model, remaining, head_type, block_size, accuracy_level)
                     head = [n for n in remaining]
-            elif ort_algo:  # asymmetric, as onnxruntime's quantizer defaults to
-                model = ort_quantize_matmuls(model, bits, block_size, False, accuracy_level, algo=ort_algo)
-            else:
-                model = ort_quantize_matmuls(model, bits, block_size, True, accuracy_level)
+            else:  # slmedge's plain int4/int8 symmetric; onnxruntime's algorithms asymmetric, as it defaults to
+                model = ort_quantize_matmuls(model, bits, block_size, not ort_algo, accuracy_level, algo=ort_algo)
             if not keep_fp32_head and embedding_type == "fp16":
                 emb = embeddings_to_fp16(model)
                 if emb:
